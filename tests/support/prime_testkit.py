@@ -1,0 +1,108 @@
+"""Helpers shared by every test folder: free ports and child processes that never outlive a test.
+
+Children are started in their own process group with PR_SET_PDEATHSIG, so they die with the
+test process even if pytest itself is killed, and `Children.kill_all()` (run by the `children`
+fixture on teardown) SIGKILLs every group and reaps it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on `host`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (call in the child)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the process-group kill on teardown still applies
+        pass
+
+
+def _child_preexec() -> None:
+    os.setpgid(0, 0)
+    die_with_parent()
+
+
+def _mp_entry(target: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    os.setpgid(0, 0)
+    die_with_parent()
+    target(*args, **kwargs)
+
+
+class Children:
+    """Starts child processes and guarantees they are killed and reaped."""
+
+    def __init__(self) -> None:
+        self.popens: list[subprocess.Popen] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        self._ctx = mp.get_context("spawn")
+
+    def popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """subprocess.Popen in a new process group that dies with this process."""
+        p = subprocess.Popen(list(args), preexec_fn=_child_preexec, **kwargs)
+        self.popens.append(p)
+        return p
+
+    def python(self, code_or_args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Run `python ARGS...` with this interpreter."""
+        return self.popen([sys.executable, *code_or_args], **kwargs)
+
+    def process(self, target: Callable[..., Any], *args: Any, **kwargs: Any):
+        """Start `target(*args, **kwargs)` in a spawned multiprocessing child."""
+        p = self._ctx.Process(target=_mp_entry, args=(target, args, kwargs), daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def queue(self):
+        return self._ctx.Queue()
+
+    def kill_all(self) -> None:
+        for pid in [p.pid for p in self.popens] + [p.pid for p in self.procs]:
+            if pid is None:
+                continue
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self.popens:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+        self.popens.clear()
+        self.procs.clear()
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, interval: float = 0.05, what: str = "condition"
+) -> None:
+    """Poll `predicate` until true; raise TimeoutError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
