@@ -164,3 +164,23 @@ def is_leased(root: str | Path, step: int) -> bool:
         return float(lease_path(root, step).read_text()) > time.time()
     except (FileNotFoundError, ValueError):
         return False
+
+
+def data_name(rank: int) -> str:
+    """Raw tensor bytes of one rank's shard."""
+    return f"rank-{rank:05d}.bin"
+
+
+def meta_name(rank: int) -> str:
+    """msgpack skeleton and tensor table of one rank's shard."""
+    return f"rank-{rank:05d}.meta"
+
+
+def committed_steps(root: str | Path) -> list[int]:
+    """Steps with a committed folder under `root` (not verified), oldest first."""
+    try:
+        names = [p.name for p in Path(root).iterdir()]
+    except FileNotFoundError:
+        return []
+    steps = [s for n in names if (s := parse_step_dirname(n)) is not None]
+    return sorted(s for s in steps if (Path(root) / step_dirname(s) / MANIFEST_NAME).is_file())
