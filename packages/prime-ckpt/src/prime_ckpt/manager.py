@@ -39,10 +39,11 @@ class CheckpointWarning(UserWarning):
 class SaveHandle:
     """What `save()` returns: the step, and a way to wait until it is durable on disk."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, on_report: Any = None) -> None:
         self.step = step
         self.error: str | None = None
         self._done = threading.Event()
+        self._on_report = on_report
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -52,6 +53,8 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"step {self.step} not durable after {timeout}s")
         if self.error:
+            if self._on_report:
+                self._on_report(self.step)
             raise CheckpointError(self.error)
 
 
@@ -129,7 +132,7 @@ class CheckpointManager:
         self._committer.clean_leftovers()
         self._inflight: SaveHandle | None = None
         self._failures: dict[int, str] = {}
-        self._unreported: list[str] = []
+        self._unreported: list[tuple[int, str]] = []
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
@@ -161,7 +164,7 @@ class CheckpointManager:
                 f"staging step {step} in {self.shm_dir} failed: {e}; older checkpoints are "
                 "intact (free space in /dev/shm or pass shm_dir= on a larger filesystem)"
             ) from None
-        handle = SaveHandle(step)
+        handle = SaveHandle(step, self._mark_reported)
         self._inflight = handle
         self._jobs.put((handle, slot, dict(metadata or {})))
         return handle
@@ -173,12 +176,16 @@ class CheckpointManager:
         with self._lock:
             msgs, self._unreported = self._unreported, []
         if msgs:
-            raise CheckpointError("; ".join(msgs))
+            raise CheckpointError("; ".join(m for _, m in msgs))
+
+    def _mark_reported(self, step: int) -> None:
+        with self._lock:
+            self._unreported = [(s, m) for s, m in self._unreported if s != step]
 
     def _report_warnings(self) -> None:
         with self._lock:
             msgs, self._unreported = self._unreported, []
-        for m in msgs:
+        for _, m in msgs:
             warnings.warn(m, CheckpointWarning, stacklevel=3)
 
     def _work(self) -> None:
@@ -202,7 +209,7 @@ class CheckpointManager:
                 handle.error = msg
                 with self._lock:
                     self._failures[handle.step] = msg
-                    self._unreported.append(msg)
+                    self._unreported.append((handle.step, msg))
             finally:
                 handle._done.set()
 

@@ -7,6 +7,7 @@ shape and the dim-0 row where the shard starts, so that another world size can r
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +36,9 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    # no import: a DTensor can only exist once its module is loaded (importing it costs seconds)
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def shard_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int], int, bool]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgpack
 
-from prime_ckpt.faults import fault
+from prime_ckpt.faults import fault, injected_enospc
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -67,6 +67,7 @@ def copy_hashed(src: Path, dst: Path | None, step: int, fault_point: str | None 
             done += len(chunk)
             if out is not None:
                 try:
+                    injected_enospc(step)
                     out.write(chunk)
                 except OSError as e:
                     err, out = e, _close_quietly(out)
@@ -149,7 +150,7 @@ class DiskCommitter:
         os.rename(tmp, final)
         fsync_dir(self.dir)
         fault("after_rename", step)
-        self.prune()
+        self.prune(step)
 
     def abort(self, step: int, reason: str) -> None:
         """Give up on `step`: free its space; rank 0 removes the folder, others mark failure."""
@@ -211,7 +212,7 @@ class DiskCommitter:
         os.rename(path, dest)
         shutil.rmtree(dest, ignore_errors=True)
 
-    def prune(self) -> list[int]:
+    def prune(self, step: int = -1) -> list[int]:
         """Keep the newest `keep` committed steps; leased steps are never removed."""
         if self.rank != 0 or self.keep <= 0:
             return []
@@ -222,7 +223,7 @@ class DiskCommitter:
                 continue
             dest = self.dir / f"{TRASH_PREFIX}{step_dirname(s)}-{time.monotonic_ns()}"
             os.rename(self.dir / step_dirname(s), dest)
-            fault("prune", s)
+            fault("prune", step)
             shutil.rmtree(dest, ignore_errors=True)
             removed.append(s)
         return removed
