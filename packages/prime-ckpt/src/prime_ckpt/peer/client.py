@@ -70,6 +70,7 @@ class Connection:
         self._token = token
         self._timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
+        self._buf = memoryview(bytearray(_READ))
 
     def close(self) -> None:
         if self._conn is not None:
@@ -138,13 +139,13 @@ class Connection:
         pos = start
         while pos < end:
             try:
-                data = resp.read(min(_READ, end - pos))
+                n = resp.readinto(self._buf[: min(_READ, end - pos)])
             except (OSError, http.client.HTTPException) as e:
                 self.close()
                 raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
-            if not data:
+            if not n:
                 self.close()
                 raise PeerFailed(f"{self.url}: connection closed after {pos - start} bytes")
-            os.pwrite(fd, data, pos)  # a local error (disk full) is not the donor's fault
-            pos += len(data)
+            os.pwrite(fd, self._buf[:n], pos)  # a local error (disk full) is not the donor's fault
+            pos += n
         return end - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -33,6 +34,7 @@ from prime_ckpt.peer.transfer import JOURNAL, Download
 log = logging.getLogger("prime_ckpt.peer")
 
 DEFAULT_CHUNK_BYTES = 8 << 20
+_PARTIAL_RE = re.compile(r"^\.peer-step-(\d{10})-[0-9a-f]{16}\.partial$")
 
 
 def partial_dirname(step: int, digest: str) -> str:
@@ -109,6 +111,14 @@ def _already_have(target: Path, offer: Offer) -> bool:
         f"{target} already exists and is not the checkpoint the donors offer (digest "
         f"{offer.digest[:16]}...); refusing to overwrite it: move it away or fetch into another dest"
     )
+
+
+def _drop_stale_partials(dest: Path, step: int) -> None:
+    """Partial downloads of this or older steps can no longer be useful once `step` is in."""
+    for p in dest.iterdir():
+        m = _PARTIAL_RE.match(p.name)
+        if m and int(m.group(1)) <= step:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _verify(folder: Path, offer: Offer, workers: int) -> set[str]:
@@ -192,6 +202,7 @@ def fetch_from_peer(
         return offer.step
     os.rename(folder, target)
     _fsync_dir(dest)
+    _drop_stale_partials(dest, offer.step)
     dt = time.monotonic() - t0
     log.info(
         "fetched step %d into %s: %.1f MB new in %.1fs (%.1f MB/s)",

@@ -179,6 +179,7 @@ class _HTTPServer(ThreadingHTTPServer):
     def __init__(self, addr, handler) -> None:
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        self._dropped = False
         super().__init__(addr, handler)
 
     def handle_error(self, request, client_address) -> None:
@@ -188,15 +189,23 @@ class _HTTPServer(ThreadingHTTPServer):
     def track(self, conn: socket.socket, add: bool) -> None:
         with self._conns_lock:
             (self._conns.add if add else self._conns.discard)(conn)
+            dropped = self._dropped
+        if add and dropped:  # accepted just as close() ran: end it rather than wait it out
+            self._shut(conn)
 
     def drop_connections(self) -> None:
         with self._conns_lock:
+            self._dropped = True
             conns = list(self._conns)
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)  # wakes handler threads blocked in recv/send
-            except OSError:
-                pass
+            self._shut(c)
+
+    @staticmethod
+    def _shut(c: socket.socket) -> None:
+        try:
+            c.shutdown(socket.SHUT_RDWR)  # wakes handler threads blocked in recv/send
+        except OSError:
+            pass
 
 
 class _HTTPServer6(_HTTPServer):
