@@ -121,14 +121,17 @@ def _drop_stale_partials(dest: Path, step: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _verify(folder: Path, offer: Offer, workers: int) -> set[str]:
-    names = sorted(offer.manifest.files)
+def _verify(folder: Path, offer: Offer, workers: int, checked: dict[str, bool]) -> set[str]:
+    """Files that fail their SHA-256; those already hashed (in `checked`) are not read again,
+    and the others are added to it."""
+    names = sorted(set(offer.manifest.files) - set(checked))
 
     def bad(name: str) -> bool:
         return sha256_file(folder / name) != offer.manifest.files[name].sha256
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="prime-ckpt-verify") as pool:
-        return {n for n, b in zip(names, pool.map(bad, names), strict=True) if b}
+        checked.update(zip(names, (not b for b in pool.map(bad, names)), strict=True))
+    return {n for n, ok in checked.items() if not ok}
 
 
 def fetch_from_peer(
@@ -179,7 +182,7 @@ def fetch_from_peer(
     try:
         for attempt in range(2):
             download.run()
-            bad = _verify(folder, offer, connections)
+            bad = _verify(folder, offer, connections, download.checked)
             if not bad:
                 break
             if attempt:
@@ -190,6 +193,7 @@ def fetch_from_peer(
             log.warning("%d file(s) failed their checksum; fetching them again", len(bad))
             download.journal.forget(bad)
             for name in bad:
+                del download.checked[name]
                 (folder / name).unlink()
     except OSError as e:
         raise PeerError(f"cannot write the checkpoint into {folder}: {e}") from e

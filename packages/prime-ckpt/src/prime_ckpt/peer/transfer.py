@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_ckpt.manifest import Manifest
+from prime_ckpt.manifest import Manifest, sha256_file
 from prime_ckpt.peer.client import Connection, PeerFailed, PeerGone
 from prime_ckpt.peer.errors import PeerAuthError, PeerError, PeerGoneError
 
@@ -132,6 +132,8 @@ class Download:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._remaining = 0
+        self._pending: dict[str, int] = {}  # file -> chunks still to fetch in this run
+        self.checked: dict[str, bool] = {}  # file -> matched its SHA-256 (hashed right away)
 
     def _open_files(self) -> dict[str, int]:
         fds = {}
@@ -154,6 +156,7 @@ class Download:
                 if (name, i) not in done:
                     todo.put(_Chunk(name, i, start, min(entry.size, start + self.chunk_bytes)))
                     self._remaining += 1
+                    self._pending[name] = self._pending.get(name, 0) + 1
                     total += min(entry.size, start + self.chunk_bytes) - start
         if not self._remaining:
             return
@@ -249,6 +252,12 @@ class Download:
                 with self._lock:
                     self.fetched += n
                     self._remaining -= 1
+                    self._pending[chunk.name] -= 1
+                    complete = self._pending[chunk.name] == 0
+                if complete:  # hash now, while other workers keep the network busy
+                    entry = self.manifest.files[chunk.name]
+                    ok = sha256_file(self.folder / chunk.name) == entry.sha256
+                    self.checked[chunk.name] = ok
         except (PeerAuthError, PeerError, OSError) as e:
             with self._lock:
                 self._error = self._error or e
