@@ -9,8 +9,13 @@ fresh folder and each ending with the files fsynced:
 - raw+sha: the same, then SHA-256 of every received file (what any verified copy must add).
 - peer N: `fetch_from_peer` with N connections (HMAC-signed Range requests, SHA-256 of every
   file, journal, atomic commit).
-Prints the best of `--repeat` runs per mode and its ratio to raw and raw+sha. Loopback has no bandwidth
-limit, so this measures the CPU cost of the transfer path, the thing peer transfer adds.
+Prints the best of `--repeat` runs per mode and its ratio to raw and raw+sha. Loopback has no
+bandwidth limit, so this measures the CPU cost of the transfer path, the thing peer transfer adds.
+
+With `--wan-mbit R` (root; the WAN bed of tests/support/prime_netbed.py) it also runs donor
+and joiner in two network namespaces joined by `tc tbf` links of R Mbit/s, as separate
+processes (`python -m prime_ckpt.peer serve/fetch`), and reports the fraction of the link rate
+reached with each connection count.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import shutil
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -89,6 +95,69 @@ def raw_copy(paths: list[Path], dest: Path, verify: bool = False) -> float:
     return dt
 
 
+def wan_runs(donor_dir: Path, scratch: Path, size: int, args) -> dict[int, float]:
+    """Best fetch time per connection count between two rate-limited namespaces."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from prime_netbed import WanBed, bed_unavailable_reason
+
+    reason = bed_unavailable_reason()
+    if reason:
+        print(f"skipping the WAN runs: {reason}")
+        return {}
+    env = dict(os.environ, PRIME_TOKEN=TOKEN)
+    best: dict[int, float] = {}
+    with WanBed(2, rate_mbit=args.wan_mbit) as bed:
+        cmd = [
+            sys.executable,
+            "-m",
+            "prime_ckpt.peer",
+            "serve",
+            str(donor_dir),
+            "--host",
+            "0.0.0.0",
+            "--advertise-host",
+            bed.ip(0),
+        ]
+        donor = subprocess.Popen(bed.exec_prefix(0) + cmd, stdout=subprocess.PIPE, env=env)
+        try:
+            url = donor.stdout.readline().decode().strip()
+            for r in range(args.repeat):
+                for conns in args.connections:
+                    dest = scratch / f"wan-{conns}-{r}"
+                    t0 = time.perf_counter()
+                    subprocess.run(
+                        bed.exec_prefix(1)
+                        + [
+                            sys.executable,
+                            "-m",
+                            "prime_ckpt.peer",
+                            "fetch",
+                            url,
+                            "--dest",
+                            str(dest),
+                            "--connections",
+                            str(conns),
+                        ],
+                        env=env,
+                        check=True,
+                        timeout=600,
+                        capture_output=True,
+                    )
+                    dt = time.perf_counter() - t0
+                    shutil.rmtree(dest)
+                    best[conns] = min(best.get(conns, float("inf")), dt)
+                    link = args.wan_mbit * 1e6 / 8
+                    print(
+                        f"  run {r + 1}/{args.repeat} wan x{conns}: {dt:6.2f}s "
+                        f"{size / dt / 1e6:8.1f} MB/s ({size / dt / link:.2f} of the link)",
+                        flush=True,
+                    )
+        finally:
+            donor.terminate()
+            donor.wait(timeout=30)
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -98,6 +167,12 @@ def main() -> int:
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--repeat", type=int, default=3, help="runs per mode; the best is kept")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument(
+        "--wan-mbit",
+        type=float,
+        default=None,
+        help="also fetch across two namespaces with links of this rate (root)",
+    )
     args = ap.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="ckpt_peer_", dir=args.dir))
@@ -142,6 +217,20 @@ def main() -> int:
             print(
                 f"{name:>9} {dt:8.2f} {size / dt / 1e6:8.1f} {raw / dt:7.2f} {raw_sha / dt:10.2f}"
             )
+        if args.wan_mbit:
+            print(
+                f"\nWAN bed: donor and joiner in two namespaces, tbf {args.wan_mbit:g} Mbit/s "
+                "links, separate processes (the time includes interpreter start-up)"
+            )
+            wan = wan_runs(donor_dir, scratch, size, args)
+            link = args.wan_mbit * 1e6 / 8
+            if wan:
+                print(f"{'mode':>9} {'seconds':>8} {'MB/s':>8} {'of link':>8}")
+            for conns, dt in wan.items():
+                print(
+                    f"{'wan x' + str(conns):>9} {dt:8.2f} {size / dt / 1e6:8.1f} "
+                    f"{size / dt / link:8.2f}"
+                )
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
