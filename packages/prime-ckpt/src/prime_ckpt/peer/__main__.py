@@ -27,11 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("urls", nargs="+")
     f.add_argument("--dest", required=True)
     f.add_argument("--connections", type=int, default=4)
+    f.add_argument("--chunk-mb", type=float, default=8.0, help="Range request size")
+    f.add_argument("--timeout", type=float, default=20.0, help="bound on every connect and read")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         if args.command == "fetch":
-            step = fetch_from_peer(args.urls, args.dest, connections=args.connections)
+            step = fetch_from_peer(
+                args.urls,
+                args.dest,
+                connections=args.connections,
+                timeout=args.timeout,
+                chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
+            )
             print(f"fetched step {step} into {args.dest}")
             return 0
         rate = args.max_mb_per_s * 1e6 if args.max_mb_per_s else None
