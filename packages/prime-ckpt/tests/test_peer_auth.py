@@ -25,6 +25,7 @@ from prime_ckpt.peer import (
     serve_directory,
 )
 from prime_ckpt.peer.auth import sign_request
+from prime_ckpt.peer.catalog import Catalog
 
 TOKEN = "run-secret"
 
@@ -215,3 +216,36 @@ def test_no_peer_reachable_fails_fast(tmp_path, port):
         fetch_from_peer([s.url], tmp_path / "d", token=TOKEN)
     with pytest.raises(ValueError, match="http://host:port"):
         fetch_from_peer(["ftp://x:1"], tmp_path / "d", token=TOKEN)
+
+
+def test_index_waits_for_verification_then_fetcher_retries(tmp_path, monkeypatch):
+    """A fresh step is hashed once on a background thread: an index request that finds no
+    verified step gets 503 and the fetcher asks again; a corrupt step is hashed only once."""
+    gate, calls = threading.Event(), []
+    original = Catalog._hash_problem
+
+    def gated(self, step_dir, manifest):
+        calls.append(manifest.step)
+        assert gate.wait(30), "test never opened the gate"
+        return original(self, step_dir, manifest)
+
+    monkeypatch.setattr(Catalog, "_hash_problem", gated)
+    root = tmp_path / "d"
+    make_checkpoint(root, 3, {"a": b"three"})
+    with serve_directory(root, "127.0.0.1", token=TOKEN) as server:
+        server.index_budget_s = 0.2
+        status, headers, body = get(server.url, "/v1/index")
+        assert status == 503 and b"still being verified" in body and headers["Retry-After"]
+        fetch = threading.Thread(
+            target=lambda: fetch_from_peer(server.url, tmp_path / "x", token=TOKEN)
+        )
+        fetch.start()
+        time.sleep(0.6)  # the fetcher meets at least one 503 first
+        gate.set()
+        fetch.join(timeout=30)
+        assert not fetch.is_alive() and (tmp_path / "x" / step_dirname(3)).is_dir()
+        make_checkpoint(root, 4, {"a": b"four"})
+        (root / step_dirname(4) / "a").write_bytes(b"FOUR")  # corrupt
+        for _ in range(3):
+            assert msgpack.unpackb(get(server.url, "/v1/index")[2])["step"] == 3
+        assert calls == [3, 4]  # each step hashed once, the corrupt one included

@@ -1,17 +1,22 @@
 """What a donor offers: the newest committed step that verifies, and safe paths inside it.
 
-Verification hashes every file, so its result is cached per step under a key made of the
-manifest digest and every file's (size, mtime, inode): a step is re-hashed only when one of
-its files changed. Folders not named exactly `step-<10 digits>` (temporary or torn writes)
-are never looked at.
+Verification hashes every file, so it runs on one background thread and its result (good or
+bad) is cached per step under a key made of the manifest digest and every file's (size, mtime,
+inode): a step is re-hashed only when one of its files changed. An index request waits for it
+at most a budget of seconds; meanwhile an older verified step is offered, or, when there is
+none, `Busy` (HTTP 503, the fetcher retries). Folders not named exactly `step-<10 digits>`
+(temporary or torn writes) are never looked at.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +26,19 @@ from prime_ckpt.manifest import (
     ManifestError,
     parse_step_dirname,
     step_dirname,
-    verify_dir,
     write_lease,
 )
+
+log = logging.getLogger("prime_ckpt.peer")
+_HASH_CHUNK = 8 << 20
 
 
 class Gone(Exception):
     """The pinned step or digest is no longer on this donor (answered with 410)."""
+
+
+class Busy(Exception):
+    """The newest step is still being verified and no older one is (answered with 503)."""
 
 
 class Refused(Exception):
@@ -59,11 +70,17 @@ class Catalog:
         self.root = Path(root)
         self.lease_s = min(float(lease_s), 600.0)
         self._lock = threading.Lock()
-        self._verified: dict[int, tuple] = {}  # step -> key that verified
-        self._manifests: dict[
-            int, tuple[tuple, bytes, str]
-        ] = {}  # step -> (stat key, bytes, digest)
+        self._results: dict[int, tuple[tuple, bool]] = {}  # step -> (key, files verified)
+        self._jobs: dict[int, tuple[tuple, Future]] = {}  # step -> (key, verification)
+        self._manifests: dict[int, tuple[tuple, bytes, str]] = {}  # step -> (stat, bytes, digest)
         self._leased: dict[int, float] = {}  # step -> monotonic time of the last lease write
+        self._closing = threading.Event()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prime-ckpt-peer-verify")
+
+    def close(self) -> None:
+        """Stop verifying (a hash in progress stops at its next chunk)."""
+        self._closing.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _steps(self) -> list[int]:
         try:
@@ -106,26 +123,76 @@ class Catalog:
             stats.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
         return (digest, tuple(stats))
 
-    def newest(self) -> Offer | None:
-        """The newest committed step whose files verify, or None if there is none."""
-        with self._lock:  # one hashing pass at a time, however many fetchers ask
-            for step in self._steps():
-                step_dir = self.root / step_dirname(step)
-                try:
-                    data, digest = self.manifest(step)
-                    manifest = Manifest.from_bytes(data)
-                except (Gone, ManifestError):
-                    continue
-                if manifest.step != step:
-                    continue
-                key = self._verify_key(step_dir, manifest, digest)
-                if key is None:
-                    continue
-                if self._verified.get(step) != key:
-                    if verify_dir(step_dir, manifest):
-                        continue
-                    self._verified[step] = key
+    def newest(self, budget_s: float = 5.0) -> Offer | None:
+        """The newest committed step whose files verify, waiting at most `budget_s` for a
+        verification; None if there is no candidate, Busy if one is still being verified."""
+        deadline = time.monotonic() + budget_s
+        pending = None
+        for step in self._steps():
+            step_dir = self.root / step_dirname(step)
+            try:
+                data, digest = self.manifest(step)
+                manifest = Manifest.from_bytes(data)
+            except (Gone, ManifestError):
+                continue
+            if manifest.step != step:
+                continue
+            key = self._verify_key(step_dir, manifest, digest)
+            if key is None:
+                continue
+            # Only the newest unknown step is hashed; older ones are offered if already known.
+            ok = self._verified(step, key, manifest, deadline, start=pending is None)
+            if ok:
                 return Offer(step, digest, data)
+            if ok is None and pending is None:
+                pending = step
+        if pending is not None:
+            raise Busy(f"step {pending} is still being verified on this donor; retry shortly")
+        return None
+
+    def _verified(
+        self, step: int, key: tuple, manifest: Manifest, deadline: float, start: bool
+    ) -> bool | None:
+        with self._lock:
+            known = self._results.get(step)
+            if known and known[0] == key:
+                return known[1]
+            job = self._jobs.get(step)
+            if job is None or job[0] != key:
+                if not start or self._closing.is_set():
+                    return None
+                job = (key, self._pool.submit(self._verify, step, key, manifest))
+                self._jobs[step] = job
+        try:
+            return job[1].result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            return None
+
+    def _verify(self, step: int, key: tuple, manifest: Manifest) -> bool | None:
+        problem = self._hash_problem(self.root / step_dirname(step), manifest)
+        if problem == "closing":
+            return None
+        if problem:
+            log.warning("not offering step %d: %s", step, problem)
+        with self._lock:
+            self._results[step] = (key, problem is None)
+            self._jobs.pop(step, None)
+        return problem is None
+
+    def _hash_problem(self, step_dir: Path, manifest: Manifest) -> str | None:
+        """What is wrong with the files of `step_dir` (None: all match the manifest)."""
+        for name, entry in manifest.files.items():
+            h = hashlib.sha256()
+            try:
+                with open(step_dir / name, "rb") as f:
+                    while chunk := f.read(_HASH_CHUNK):
+                        if self._closing.is_set():
+                            return "closing"
+                        h.update(chunk)
+            except OSError as e:
+                return f"{name}: {e}"
+            if h.hexdigest() != entry.sha256:
+                return f"{name}: checksum mismatch (corrupted)"
         return None
 
     def resolve(self, step: int, digest: str, name: str) -> tuple[Path, int]:

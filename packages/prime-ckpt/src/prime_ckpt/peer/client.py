@@ -22,6 +22,10 @@ class PeerFailed(Exception):
     """This donor failed one request (transport error, bad answer); others may still serve."""
 
 
+class PeerBusy(PeerFailed):
+    """The donor is still verifying its newest checkpoint (HTTP 503); ask again shortly."""
+
+
 class PeerGone(PeerFailed):
     """This donor no longer has the pinned step and digest (HTTP 410)."""
 
@@ -100,6 +104,8 @@ class Connection:
             )
         if resp.status == 410:
             raise PeerGone(f"{self.url}: {body}")
+        if resp.status == 503:
+            raise PeerBusy(f"{self.url}: {body}")
         raise PeerFailed(f"{self.url} answered HTTP {resp.status}: {body}")
 
     def index(self) -> Offer:

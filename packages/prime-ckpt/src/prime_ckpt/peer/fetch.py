@@ -27,7 +27,7 @@ from prime_ckpt.manifest import (
     verify_dir,
 )
 from prime_ckpt.peer.auth import resolve_token
-from prime_ckpt.peer.client import Connection, Offer, PeerFailed, normalize_url
+from prime_ckpt.peer.client import Connection, Offer, PeerBusy, PeerFailed, normalize_url
 from prime_ckpt.peer.errors import NoPeerError, PeerAuthError, PeerError
 from prime_ckpt.peer.transfer import JOURNAL, Download
 
@@ -46,10 +46,17 @@ def ask_donors(urls: list[str], token: bytes, timeout: float) -> list[Offer]:
 
     def ask(url: str) -> Offer | Exception:
         conn = Connection(url, token, timeout)
+        deadline = time.monotonic() + timeout
         try:
-            return conn.index()
-        except (PeerFailed, PeerError) as e:
-            return e
+            while True:
+                try:
+                    return conn.index()
+                except PeerBusy as e:  # verifying a fresh checkpoint: worth waiting for
+                    if time.monotonic() + 0.5 > deadline:
+                        return e
+                    time.sleep(0.5)
+                except (PeerFailed, PeerError) as e:
+                    return e
         finally:
             conn.close()
 

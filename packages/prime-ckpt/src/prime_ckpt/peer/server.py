@@ -24,7 +24,7 @@ from urllib.parse import unquote
 import msgpack
 
 from prime_ckpt.peer.auth import H_RESP_AUTH, AuthFailure, Verifier, resolve_token, sign_response
-from prime_ckpt.peer.catalog import Catalog, Gone, Refused
+from prime_ckpt.peer.catalog import Busy, Catalog, Gone, Refused
 
 log = logging.getLogger("prime_ckpt.peer")
 
@@ -111,7 +111,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._text(e.status, str(e))
 
     def _index(self, peer: PeerServer, nonce: str) -> None:
-        offer = peer.catalog.newest()
+        try:
+            offer = peer.catalog.newest(peer.index_budget_s)
+        except Busy as e:
+            return self._text(503, str(e), {"Retry-After": "1"})
         if offer is None:
             return self._text(404, f"no committed checkpoint that verifies in {peer.disk_dir}")
         peer.catalog.hold(offer.step)
@@ -240,6 +243,7 @@ class PeerServer:
         if max_bytes_per_s is not None and max_bytes_per_s <= 0:
             raise ValueError(f"max_bytes_per_s must be positive or None, got {max_bytes_per_s}")
         self.catalog = Catalog(self.disk_dir, lease_s)
+        self.index_budget_s = 5.0  # how long an index request waits for a verification
         self._verifier = Verifier(self._token)
         self._closing = threading.Event()
         self._limit = _RateLimit(max_bytes_per_s, self._closing) if max_bytes_per_s else None
@@ -249,7 +253,12 @@ class PeerServer:
         try:
             self._httpd = cls((host, port), _Handler)
         except OSError as e:
+            self.catalog.close()
             raise OSError(f"cannot serve checkpoints on {host}:{port}: {e}") from e
+        try:
+            self.catalog.newest(0.0)  # start verifying the newest step before anyone asks
+        except Busy:
+            pass
         self._httpd.peer = self
         self.port = self._httpd.server_address[1]
         shown = advertise_host or host
@@ -283,6 +292,7 @@ class PeerServer:
         self._thread.join(timeout=10)
         self._httpd.drop_connections()
         self._httpd.server_close()  # joins the handler threads
+        self.catalog.close()
 
     def __enter__(self) -> PeerServer:
         return self
