@@ -8,6 +8,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+import pytest
+
 from prime_ckpt.manifest import (
     FileEntry,
     Manifest,
@@ -17,7 +19,7 @@ from prime_ckpt.manifest import (
     step_dirname,
     verify_dir,
 )
-from prime_ckpt.peer import PeerGoneError, fetch_from_peer, serve_directory
+from prime_ckpt.peer import PeerError, PeerGoneError, fetch_from_peer, serve_directory
 from prime_ckpt.peer.fetch import partial_dirname
 from prime_ckpt.peer.transfer import JOURNAL
 from prime_testkit import wait_until
@@ -228,3 +230,19 @@ def test_resume_after_interrupted_fetch(tmp_path, children):
         assert server.bytes_sent == total - done_bytes + rotten  # only the missing parts
     assert_same_checkpoint(tmp_path / "donor" / step_dirname(7), dest / step_dirname(7))
     assert not partial.exists()
+
+
+def test_never_overwrites_a_different_committed_step(tmp_path):
+    make_checkpoint(tmp_path / "donor", 4, {"a.bin": b"donor's"})
+    mine = make_checkpoint(tmp_path / "dest", 4, {"a.bin": b"mine"})
+    with serve_directory(tmp_path / "donor", "127.0.0.1", token=TOKEN) as server:
+        with pytest.raises(PeerError, match="refusing to overwrite"):
+            fetch_from_peer(server.url, tmp_path / "dest", token=TOKEN)
+        assert read_manifest(tmp_path / "dest" / step_dirname(4)).digest() == mine
+        # The same checkpoint, but rotten on disk: reported, still not overwritten.
+        shutil.rmtree(tmp_path / "dest" / step_dirname(4))
+        shutil.copytree(tmp_path / "donor" / step_dirname(4), tmp_path / "dest" / step_dirname(4))
+        (tmp_path / "dest" / step_dirname(4) / "a.bin").write_bytes(b"DONOR'S")
+        with pytest.raises(PeerError, match="fails its checksums"):
+            fetch_from_peer(server.url, tmp_path / "dest", token=TOKEN)
+        assert (tmp_path / "dest" / step_dirname(4) / "a.bin").read_bytes() == b"DONOR'S"

@@ -112,11 +112,13 @@ def _already_have(target: Path, offer: Offer) -> bool:
         same = read_manifest(target).digest() == offer.digest
     except ManifestError:
         same = False
-    if same and not verify_dir(target, offer.manifest):
+    problems = verify_dir(target, offer.manifest) if same else []
+    if same and not problems:
         return True
+    what = f"fails its checksums ({problems[0]})" if same else "holds another checkpoint"
     raise PeerError(
-        f"{target} already exists and is not the checkpoint the donors offer (digest "
-        f"{offer.digest[:16]}...); refusing to overwrite it: move it away or fetch into another dest"
+        f"{target} already exists and {what}, while the donors offer digest "
+        f"{offer.digest[:16]}...; refusing to overwrite it: move it away or fetch into another dest"
     )
 
 
@@ -206,6 +208,12 @@ def fetch_from_peer(
         raise PeerError(f"cannot write the checkpoint into {folder}: {e}") from e
 
     (folder / JOURNAL).unlink(missing_ok=True)
+    for name in offer.manifest.files:  # resumed files too: an earlier run never synced them
+        fd = os.open(folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     for d in {(folder / n).parent for n in offer.manifest.files} | {folder}:
         _fsync_dir(d)
     if _already_have(target, offer):  # another fetcher committed it meanwhile

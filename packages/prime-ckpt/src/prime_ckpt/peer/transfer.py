@@ -174,8 +174,6 @@ class Download:
             for w in workers:
                 w.start()
             self._watch(workers, total)
-            for fd in fds.values():
-                os.fsync(fd)
         finally:
             for fd in fds.values():
                 os.close(fd)
