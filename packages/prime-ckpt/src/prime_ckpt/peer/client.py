@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
@@ -134,8 +135,18 @@ class Connection:
             raise PeerFailed(f"{self.url}: manifest lists unsafe paths {bad[:3]}; refused")
         return Offer(self.url, step, digest, mbytes, manifest)
 
-    def read_range(self, step: int, digest: str, name: str, start: int, end: int, fd: int) -> int:
-        """Download bytes [start, end) of file `name` into `fd` at the same offsets."""
+    def read_range(
+        self,
+        step: int,
+        digest: str,
+        name: str,
+        start: int,
+        end: int,
+        fd: int,
+        sink: Callable[[memoryview], object] | None = None,
+    ) -> int:
+        """Download bytes [start, end) of file `name` into `fd` at the same offsets, passing
+        them in order to `sink` too (a running hash) if given."""
         path = f"/v1/ckpt/{step}/{digest}/{quote(name)}"
         resp, _ = self._get(path, f"bytes={start}-{end - 1}")
         expect = f"bytes {start}-{end - 1}/"
@@ -153,5 +164,7 @@ class Connection:
                 self.close()
                 raise PeerFailed(f"{self.url}: connection closed after {pos - start} bytes")
             os.pwrite(fd, self._buf[:n], pos)  # a local error (disk full) is not the donor's fault
+            if sink is not None:
+                sink(self._buf[:n])
             pos += n
         return end - start

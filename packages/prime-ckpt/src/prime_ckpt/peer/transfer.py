@@ -10,6 +10,7 @@ dropped and its chunks go to the remaining donors; when none is left the transfe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_ckpt.manifest import Manifest, sha256_file
+from prime_ckpt.manifest import Manifest
 from prime_ckpt.peer.client import Connection, PeerFailed, PeerGone
 from prime_ckpt.peer.errors import PeerAuthError, PeerError, PeerGoneError
 
@@ -78,6 +79,41 @@ class Journal:
                 self._fd = None
 
 
+class _Hashes:
+    """SHA-256 of each file computed from the bytes as they arrive, as long as its chunks come
+    in order (always with one connection); whatever did not is read back from disk at the end.
+    A worker claims a file's stream for one chunk and hashes into a copy of the state, which
+    replaces it only if the chunk completes, so a failed chunk leaves no trace."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, list] = {}  # name -> [bytes hashed, hasher, claimed]
+        self._lock = threading.Lock()
+
+    def claim(self, name: str, start: int):
+        with self._lock:
+            st = self._files.setdefault(name, [0, hashlib.sha256(), False])
+            if st[2] or st[0] != start:
+                return None
+            st[2] = True
+            return st[1].copy()
+
+    def release(self, name: str, hasher, end: int | None) -> None:
+        with self._lock:
+            st = self._files[name]
+            st[2] = False
+            if end is not None:
+                st[0], st[1] = end, hasher
+
+    def finish(self, name: str, path: Path) -> str:
+        with self._lock:
+            upto, hasher, _ = self._files.pop(name, None) or [0, hashlib.sha256(), False]
+        with open(path, "rb") as f:
+            f.seek(upto)
+            while chunk := f.read(8 << 20):
+                hasher.update(chunk)
+        return hasher.hexdigest()
+
+
 class _Donors:
     """The donors of the pinned digest that are still usable, and why others were dropped."""
 
@@ -134,6 +170,7 @@ class Download:
         self._remaining = 0
         self._pending: dict[str, int] = {}  # file -> chunks still to fetch in this run
         self.checked: dict[str, bool] = {}  # file -> matched its SHA-256 (hashed right away)
+        self._hashes = _Hashes()
 
     def _open_files(self) -> dict[str, int]:
         fds = {}
@@ -224,6 +261,7 @@ class Download:
                         conn.close()
                     conn = Connection(url, self.token, self.timeout)
                 chunk.tries += 1
+                hasher = self._hashes.claim(chunk.name, chunk.start)
                 try:
                     n = conn.read_range(
                         self.manifest.step,
@@ -232,12 +270,15 @@ class Download:
                         chunk.start,
                         chunk.end,
                         fds[chunk.name],
+                        hasher.update if hasher else None,
                     )
                 except PeerGone as e:
+                    self._hashes.release(chunk.name, hasher, None)
                     self.donors.fail(url, str(e), fatal=True)
                     todo.put(chunk)
                     continue
                 except PeerFailed as e:
+                    self._hashes.release(chunk.name, hasher, None)
                     self.donors.fail(url, str(e))
                     if chunk.tries >= max_tries:
                         raise PeerError(
@@ -245,6 +286,7 @@ class Download:
                         ) from e
                     todo.put(chunk)
                     continue
+                self._hashes.release(chunk.name, hasher, chunk.end if hasher else None)
                 self.donors.ok(url)
                 self.journal.mark(chunk.name, chunk.index)
                 with self._lock:
@@ -252,10 +294,10 @@ class Download:
                     self._remaining -= 1
                     self._pending[chunk.name] -= 1
                     complete = self._pending[chunk.name] == 0
-                if complete:  # hash now, while other workers keep the network busy
+                if complete:  # finish the hash now, while other workers keep the network busy
                     entry = self.manifest.files[chunk.name]
-                    ok = sha256_file(self.folder / chunk.name) == entry.sha256
-                    self.checked[chunk.name] = ok
+                    digest = self._hashes.finish(chunk.name, self.folder / chunk.name)
+                    self.checked[chunk.name] = digest == entry.sha256
         except (PeerAuthError, PeerError, OSError) as e:
             with self._lock:
                 self._error = self._error or e
