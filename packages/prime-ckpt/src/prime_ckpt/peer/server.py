@@ -101,8 +101,8 @@ class _Handler(BaseHTTPRequestHandler):
             if not m:
                 return self._text(404, f"no such route {self.path!r}")
             step, digest, name = int(m.group(1)), m.group(2), unquote(m.group(3))
-            peer.catalog.hold(step)
             path, size = peer.catalog.resolve(step, digest, name)
+            peer.catalog.hold(step)  # renew the lease while the transfer goes on
             self._send_file(peer, path, size)
         except Gone as e:
             self._text(410, str(e))
@@ -162,6 +162,8 @@ class _Handler(BaseHTTPRequestHandler):
         if peer._limit is None:
             sent = self.connection.sendfile(f, offset, count) if count else 0
             peer._count(sent)
+            if sent != count:  # the file shrank: close, rather than leave the reader waiting
+                raise ConnectionAbortedError("file shrank while being served")
             return
         f.seek(offset)
         while count > 0:
