@@ -1,6 +1,8 @@
 """One rank of the test pool: runs all-reduce cases sent as JSON lines on stdin.
 
-Started by tests/conftest.py (`python comm_worker.py RANK SIZE STORE_PORT`). At start it joins
+Started by tests/conftest.py (`python comm_worker.py RANK SIZE STORE_PORT`; or
+`python comm_worker.py solo RANK WORLD STORE_PORT GROUP` for a bare peer that only joins one
+group and idles, for tests that kill a peer). At start it joins
 a gloo world of SIZE ranks (the default group) and makes one subgroup per world size
 1..SIZE-1 with dist.new_group; cases may also ask for a fresh ProcessGroupGloo under a new
 store prefix, which the abort cases use because an aborted group is left unusable. Replies
@@ -136,13 +138,15 @@ class Worker:
         out["after"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
         return out
 
-    def case_abort(self, pg, world, mode, stall_rank, n=1 << 20, after=0.5, stall=3.0):
+    def case_abort(
+        self, pg, world, mode, stall_rank, n=1 << 20, after=0.5, stall=1.5, late_timeout=1.0
+    ):
         """Every rank but stall_rank calls all_reduce; stall_rank sleeps, then calls late."""
         x = make_input("normal", n, 3, self.rank)
         t0 = time.monotonic()
         if self.rank == stall_rank:
             time.sleep(stall)
-            kwargs = {"timeout": 2.0}
+            kwargs = {"timeout": late_timeout}
         elif mode == "should_abort":
             kwargs = {"should_abort": lambda: time.monotonic() - t0 > after}
         elif mode == "deadline":
@@ -185,6 +189,10 @@ class Worker:
                 "elapsed": time.monotonic() - start,
             }
 
+    def case_sleep(self, pg, world, seconds):
+        time.sleep(seconds)
+        return {}
+
 
 def make_input(kind: str, n: int, seed: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -207,7 +215,18 @@ def read_io() -> dict | None:
         return None
 
 
+def solo(rank: int, world: int, port: int, group: str) -> None:
+    """Join one fresh group as `rank` and stay idle until killed (a peer to kill in tests)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=PG_TIMEOUT)
+    dist.ProcessGroupGloo(dist.PrefixStore(group, store), rank, world, PG_TIMEOUT)
+    print("joined", flush=True)
+    time.sleep(600)
+
+
 def main() -> None:
+    if sys.argv[1] == "solo":
+        solo(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return
     rank, size, port = (int(a) for a in sys.argv[1:4])
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to stderr, the protocol keeps stdout

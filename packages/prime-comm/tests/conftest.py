@@ -22,7 +22,7 @@ class RankPool:
     def __init__(self, size: int, start_timeout: float = 120.0) -> None:
         self.size = size
         self.children = Children()
-        port = free_port()
+        self.port = port = free_port()
         self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         self.procs, self.replies, self.logs = [], [], []
         for rank in range(size):
@@ -48,19 +48,28 @@ class RankPool:
         self.fresh += 1
         return f"fresh{self.fresh}"
 
+    def send(self, rank: int, case: str, world: int, group: str | None = None, **args) -> None:
+        """Start `case` on one rank (collect its answer with `reply`)."""
+        cmd = {"case": case, "world": world, "group": group or f"w{world}", "args": args}
+        self.procs[rank].stdin.write(json.dumps(cmd) + "\n")
+        self.procs[rank].stdin.flush()
+
+    def reply(self, rank: int, timeout: float = 120.0) -> dict:
+        r = self._reply(rank, timeout)
+        assert r["ok"], f"rank {rank} failed: {r['error']}\n{r['traceback']}"
+        return r
+
     def run(
         self, case: str, world: int, group: str | None = None, timeout: float = 120.0, **args
     ) -> list[dict]:
         """Run `case` on ranks 0..world-1 in `group` (default: the world-size group)."""
-        group = group or f"w{world}"
         for rank in range(world):
-            cmd = {"case": case, "world": world, "group": group, "args": args}
-            self.procs[rank].stdin.write(json.dumps(cmd) + "\n")
-            self.procs[rank].stdin.flush()
-        out = [self._reply(rank, timeout) for rank in range(world)]
-        for rank, r in enumerate(out):
-            assert r["ok"], f"rank {rank} failed in {case}: {r['error']}\n{r['traceback']}"
-        return out
+            self.send(rank, case, world, group, **args)
+        return [self.reply(rank, timeout) for rank in range(world)]
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].kill()
+        self.procs[rank].wait(timeout=30)
 
     def _reply(self, rank: int, timeout: float) -> dict:
         try:
@@ -94,8 +103,9 @@ def _pump(stream, q: queue.Queue) -> None:
     q.put(None)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pool4():
+    """Four rank processes shared by the all-reduce and abort modules (startup dominates)."""
     pool = RankPool(4)
     try:
         yield pool
