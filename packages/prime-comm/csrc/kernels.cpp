@@ -53,7 +53,7 @@ int64_t quantize_many(const std::vector<Job>& jobs) {
       uint8_t* base = reinterpret_cast<uint8_t*>(dst);
       float* cb = reinterpret_cast<float*>(base + b * kCodebookBytes);
       uint8_t* codes = base + num_blocks(n) * kCodebookBytes + b * kBlock;
-      if (!quantize_block(x, len, cb, codes)) {
+      if (!quantize_block(x, len, cb, codes, b + 1 < num_blocks(n))) {
         int64_t cur = bad.load();
         while (refs[t].job < cur && !bad.compare_exchange_weak(cur, refs[t].job)) {
         }

@@ -104,52 +104,83 @@ inline void encode_scalar(const float* x, int64_t n, int64_t base, float lo, flo
   }
 }
 
-__attribute__((target("avx2"))) inline void encode_avx2(const float* x, int64_t n, float lo,
-                                                        float scale, uint8_t* codes,
-                                                        BinTables acc) {
-  const __m256 vlo = _mm256_set1_ps(lo), vs = _mm256_set1_ps(scale);
-  const __m256 steps = _mm256_set1_ps(kFracSteps);
+// Adds 32 packed (code | position << 8) words to the four tables.
+inline void add_to_tables(const uint32_t* w, BinTables acc) {
+  for (int j = 0; j < 32; j += 4) {
+    acc[0][w[j] & 255] += kCountOne + (w[j] >> 8);
+    acc[1][w[j + 1] & 255] += kCountOne + (w[j + 1] >> 8);
+    acc[2][w[j + 2] & 255] += kCountOne + (w[j + 2] >> 8);
+    acc[3][w[j + 3] & 255] += kCountOne + (w[j + 3] >> 8);
+  }
+}
+
+// Codes of 32 elements into codes[0..31], packed words into w[0..31].
+__attribute__((target("avx2"))) inline void encode32_avx2(const float* x, __m256 vlo,
+                                                          __m256 vs16, uint8_t* codes,
+                                                          uint32_t* w) {
   const __m256i top = _mm256_set1_epi32(255), ftop = _mm256_set1_epi32(65536);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  // Codes and bin positions of a whole tile are packed (code | position << 8) into a scratch
-  // buffer first, then added to the tables: reading them back right after the vector stores
-  // would stall on store-to-load forwarding.
-  constexpr int64_t kTile = 2048;
-  alignas(32) uint32_t ws[kTile];
-  int64_t i = 0;
-  while (i + 32 <= n) {
-    const int64_t tile = std::min<int64_t>(kTile, (n - i) & ~int64_t(31));
-    for (int64_t o = 0; o < tile; o += 32) {
-      __m256i c[4];
-      for (int k = 0; k < 4; ++k) {
-        const __m256 v = _mm256_loadu_ps(x + i + o + 8 * k);
-        const __m256 t = _mm256_mul_ps(_mm256_sub_ps(v, vlo), vs);
-        c[k] = _mm256_min_epi32(_mm256_cvttps_epi32(t), top);
-        const __m256 frac = _mm256_mul_ps(_mm256_sub_ps(t, _mm256_cvtepi32_ps(c[k])), steps);
-        const __m256i f = _mm256_min_epi32(_mm256_cvttps_epi32(frac), ftop);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(ws + o + 8 * k),
-                           _mm256_or_si256(c[k], _mm256_slli_epi32(f, 8)));
-      }
-      const __m256i ab = _mm256_packus_epi32(c[0], c[1]);
-      const __m256i cd = _mm256_packus_epi32(c[2], c[3]);
-      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i + o), bytes);
-    }
-    for (int64_t j = 0; j < tile; j += 4) {
-      acc[0][ws[j] & 255] += kCountOne + (ws[j] >> 8);
-      acc[1][ws[j + 1] & 255] += kCountOne + (ws[j + 1] >> 8);
-      acc[2][ws[j + 2] & 255] += kCountOne + (ws[j + 2] >> 8);
-      acc[3][ws[j + 3] & 255] += kCountOne + (ws[j + 3] >> 8);
-    }
-    i += tile;
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k) {
+    // (x - lo) * (scale * 65536) is exactly 65536 * t, so its integer part carries the code
+    // (t's integer part) in bits 16 and up and the position in the bin below.
+    const __m256 v = _mm256_loadu_ps(x + 8 * k);
+    const __m256i big = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_sub_ps(v, vlo), vs16));
+    c[k] = _mm256_min_epi32(_mm256_srli_epi32(big, 16), top);
+    const __m256i f = _mm256_min_epi32(_mm256_sub_epi32(big, _mm256_slli_epi32(c[k], 16)), ftop);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w + 8 * k),
+                       _mm256_or_si256(c[k], _mm256_slli_epi32(f, 8)));
   }
-  encode_scalar(x + i, n - i, i, lo, scale, codes + i, acc);
+  const __m256i ab = _mm256_packus_epi32(c[0], c[1]);
+  const __m256i cd = _mm256_packus_epi32(c[2], c[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
+}
+
+// Vector codes for tile t + 1 are computed in the same loop that adds tile t's words to the
+// tables, so the vector units and the scalar table updates run side by side; reading words
+// right after their vector store would stall on store-to-load forwarding, a tile later not.
+// prefetch_next: also pull the following block towards L2 while this one is encoded.
+__attribute__((target("avx2"))) inline void encode_avx2(const float* x, int64_t n, float lo,
+                                                        float scale, uint8_t* codes,
+                                                        BinTables acc, bool prefetch_next) {
+  const __m256 vlo = _mm256_set1_ps(lo);
+  const __m256 vs16 = _mm256_set1_ps(scale * kFracSteps);
+  constexpr int64_t kTile = 1024;
+  alignas(32) uint32_t ws[2][kTile];
+  const int64_t m = n & ~int64_t(31);  // the vector part; the rest goes through encode_scalar
+  const int64_t tiles = (m + kTile - 1) / kTile;
+  auto tile_len = [&](int64_t t) { return std::min(kTile, m - t * kTile); };
+  auto vec = [&](int64_t pos, uint32_t* w) {
+    if (prefetch_next) {
+      _mm_prefetch(reinterpret_cast<const char*>(x + kBlock + pos), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(x + kBlock + pos) + 64, _MM_HINT_T1);
+    }
+    encode32_avx2(x + pos, vlo, vs16, codes + pos, w);
+  };
+  if (tiles > 0) {
+    for (int64_t j = 0; j < tile_len(0); j += 32) vec(j, ws[0] + j);
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint32_t* cur = ws[t & 1];
+    uint32_t* next = ws[(t + 1) & 1];
+    const int64_t lc = tile_len(t), ln = t + 1 < tiles ? tile_len(t + 1) : 0;  // ln <= lc
+    int64_t j = 0;
+    for (; j < ln; j += 32) {
+      vec((t + 1) * kTile + j, next + j);
+      add_to_tables(cur + j, acc);
+    }
+    for (; j < lc; j += 32) add_to_tables(cur + j, acc);
+  }
+  encode_scalar(x + m, n - m, m, lo, scale, codes + m, acc);
 }
 
 // ---- one block ---------------------------------------------------------------------------
 
 // Quantizes one block of n <= kBlock floats; returns false if it holds a NaN or Inf.
-inline bool quantize_block(const float* x, int64_t n, float* codebook, uint8_t* codes) {
+// more_after: another block follows x + kBlock in memory (worth prefetching).
+inline bool quantize_block(const float* x, int64_t n, float* codebook, uint8_t* codes,
+                           bool more_after = false) {
   float lo, hi;
   if (!minmax(x, n, &lo, &hi)) return false;
   const double range = static_cast<double>(hi) - static_cast<double>(lo);
@@ -157,9 +188,9 @@ inline bool quantize_block(const float* x, int64_t n, float* codebook, uint8_t* 
   const float scale = static_cast<float>(scale_d);
   uint64_t acc[4][kLevels];
   std::memset(acc, 0, sizeof(acc));
-  if (range <= FLT_MAX && std::isfinite(scale)) {
+  if (range <= FLT_MAX && std::isfinite(scale * kFracSteps)) {
     if (use_avx2()) {
-      encode_avx2(x, n, lo, scale, codes, acc);
+      encode_avx2(x, n, lo, scale, codes, acc, more_after);
     } else {
       encode_scalar(x, n, 0, lo, scale, codes, acc);
     }

@@ -11,34 +11,10 @@ import torch
 
 import prime_comm
 from prime_comm import _kernels
+from prime_comm.reference import dequantize_ref as ref_decode
+from prime_comm.reference import quantize_ref as ref_quantize
 
 BLOCK = prime_comm.BLOCK
-
-
-def ref_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scheme in plain torch: (codebooks (nb, 256), codes (n,) uint8)."""
-    x = x.reshape(-1)
-    if x.numel() == 0:
-        return torch.empty(0, 256), torch.empty(0, dtype=torch.uint8)
-    codes, books = [], []
-    for block in x.split(BLOCK):
-        lo, hi = block.min(), block.max()
-        rng = hi.double() - lo.double()
-        scale = torch.tensor(256.0 / rng.item() if rng > 0 else 0.0, dtype=torch.float32)
-        t = (block - lo) * scale
-        c = t.to(torch.int64).clamp(max=255)
-        counts = torch.bincount(c, minlength=256).double()
-        sums = torch.bincount(c, weights=block.double(), minlength=256)
-        centres = lo.double() + (torch.arange(256, dtype=torch.float64) + 0.5) * rng / 256
-        book = torch.where(counts > 0, sums / counts.clamp(min=1), centres)
-        books.append(book.clamp(lo.double(), hi.double()).float())
-        codes.append(c.to(torch.uint8))
-    return torch.stack(books), torch.cat(codes)
-
-
-def ref_decode(books: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    block_of = torch.arange(codes.numel()) // BLOCK
-    return books.reshape(-1).index_select(0, block_of * 256 + codes.long())
 
 
 SIZES = [0, 1, 2, 31, 32, 33, 1000, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 12345]
