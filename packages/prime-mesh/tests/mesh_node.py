@@ -45,6 +45,7 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
         store = dist.TCPStore(host, port, lws, lr == 0, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=lr, world_size=lws)
     mesh: Any = None
+    held: dict = {}  # the last group used, to show it survives the coordinator's loss
 
     def report(kind: str, **kw: Any) -> None:
         out.put((name, kind, {"t": time.time(), **kw}))
@@ -74,6 +75,7 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
             elif cmd == "allreduce":
                 t = torch.full((arg.get("n", 1 << 16),), float(arg["value"]))
                 pg, world = mesh.global_pg, mesh.global_world_size
+                held.update(pg=pg, world=world)
                 start = time.monotonic()
                 work = dist.all_reduce(t, group=pg, async_op=True)
                 if arg.get("then") == "stop":
@@ -99,6 +101,10 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                     report("ok", mean=float(t[0]) / world, elapsed=elapsed, **info())
                 else:
                     report(outcome, elapsed=elapsed, detail=detail, **info())
+            elif cmd == "plain_allreduce":  # no mesh call at all
+                t = torch.full((16,), float(arg["value"]))
+                dist.all_reduce(t, group=held["pg"], async_op=True).wait(timedelta(seconds=30))
+                report("ok", mean=float(t[0]) / held["world"])
             elif cmd == "reinit":
                 start = time.monotonic()
                 changed = mesh.maybe_reinit_global_pg(admit_joiners=arg.get("admit", True))
