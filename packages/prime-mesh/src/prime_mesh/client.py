@@ -86,6 +86,7 @@ class CoordinatorClient:
         try:
             self.channel.send(msg)
         except OSError as e:
+            self.wait_for(lambda: False, 1.0)  # give the reader time to read an eviction notice
             self._fail(CoordinatorLost, f"lost the coordinator at {self.address}: {e}")
             self.check()
             raise
@@ -138,6 +139,7 @@ class CoordinatorClient:
         self._beater.start()
 
     def _beat_loop(self) -> None:
+        last = time.monotonic()
         while not self._closing and self._error is None:
             try:
                 self.channel.send({"type": "hb"})
@@ -146,7 +148,14 @@ class CoordinatorClient:
                     CoordinatorLost, f"lost the coordinator at {self.address}: connection closed"
                 )
                 return
-            silent = time.monotonic() - self._last_rx
+            now = time.monotonic()
+            if now - last > self.heartbeat_interval + self.heartbeat_timeout / 2:
+                # This process was stalled (SIGSTOP, swap): what the coordinator sent meanwhile
+                # is still unread, so judge its silence from now, not from before the stall.
+                with self._cond:
+                    self._last_rx = max(self._last_rx, now)
+            last = now
+            silent = now - self._last_rx
             if silent > self.heartbeat_timeout:
                 self._fail(
                     CoordinatorLost,
@@ -179,8 +188,8 @@ class CoordinatorClient:
                 self._last_rx = time.monotonic()
                 if kind == "reply":
                     self._replies[int(msg.get("id", 0))] = msg
-                elif kind == "evicted":
-                    self._error = self._error or (
+                elif kind == "evicted":  # more precise than a CoordinatorLost seen first
+                    self._error = (
                         MeshEvicted,
                         f"this node ({msg.get('node_id')}) was evicted from the run: "
                         f"{msg.get('reason')}. It must not use its old group; close() this mesh "
