@@ -68,6 +68,14 @@ def test_cli_status_and_coordinator_killed(children, tmp_path):
     out = _run("status", "--coordinator", address, "--token-file", str(bad))
     assert out.returncode == 2 and "PRIME_TOKEN" in out.stderr and "Traceback" not in out.stderr
 
+    taken = address.split(":")[1]
+    out = _run("coordinator", "--host", "127.0.0.1", "--port", taken, env_token=TOKEN)
+    assert (
+        out.returncode == 2
+        and "pick another --port" in out.stderr
+        and "Traceback" not in out.stderr
+    )
+
     cluster.send(["a", "b"], "allreduce", value=1.0)
     assert [cluster.get(n)[0] for n in "ab"] == ["ok", "ok"]
 
@@ -91,7 +99,7 @@ def test_cli_status_and_coordinator_killed(children, tmp_path):
     cluster.send(["a", "b"], "exit")
 
 
-def test_cli_user_mistakes_are_clear(children, tmp_path):
+def test_cli_user_mistakes_are_clear(tmp_path):
     out = _run("coordinator", "--port", "0")
     assert out.returncode == 2 and "PRIME_TOKEN" in out.stderr and "Traceback" not in out.stderr
     out = _run("status", "--coordinator", "127.0.0.1:1", env_token=TOKEN, timeout=60)
@@ -100,9 +108,3 @@ def test_cli_user_mistakes_are_clear(children, tmp_path):
     assert out.returncode == 2 and "HOST:PORT" in out.stderr
     out = _run("status", "--coordinator", "127.0.0.1:1", "--token-file", str(tmp_path / "missing"))
     assert out.returncode == 2 and "cannot read --token-file" in out.stderr
-    proc, address = _start_coordinator(children)
-    taken = address.split(":")[1]
-    out = _run("coordinator", "--host", "127.0.0.1", "--port", taken, env_token=TOKEN)
-    assert out.returncode == 2 and "pick another --port" in out.stderr
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0

@@ -50,6 +50,8 @@ def test_sigkill_vote_join_and_leave(children, coordinator):
 
     got = _allreduce(cluster, value)
     assert all(kind == "ok" and kw["mean"] == 2.5 for kind, kw in got.values()), got
+    cluster.send("a", "local")  # no torchrun env: a world-size-1 CPU mesh
+    assert cluster.expect("a", "local")["size"] == 1
 
     # should_commit: one member reports failure, so nobody commits; all ok commits.
     for n in names:

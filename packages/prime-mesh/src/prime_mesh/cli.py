@@ -29,13 +29,16 @@ def _token(path: str | None) -> str | None:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    from prime_mesh.wire import resolve_token
+
+    token = resolve_token(_token(args.token_file))  # before importing torch: fail fast
     from prime_mesh.coordinator import Coordinator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     coord = Coordinator(
         args.host,
         args.port,
-        token=_token(args.token_file),
+        token=token,
         min_nodes=args.min_nodes,
         store_port=args.store_port,
         advertise_host=args.advertise_host,
