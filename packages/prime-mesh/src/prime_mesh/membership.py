@@ -135,7 +135,8 @@ class Membership:
         self.gone.add(node.key)
         if node.key in self.joiners:
             self.joiners.remove(node.key)
-        log.warning("%s evicted: %s", node.node_id, reason)
+        level = logging.INFO if reason == "left gracefully" else logging.WARNING
+        log.log(level, "%s evicted: %s", node.node_id, reason)
         for c in node.conns.values():
             c.send({"type": "evicted", "reason": reason, "node_id": node.node_id})
             c.close_after_flush()
