@@ -105,6 +105,13 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 t = torch.full((16,), float(arg["value"]))
                 dist.all_reduce(t, group=held["pg"], async_op=True).wait(timedelta(seconds=30))
                 report("ok", mean=float(t[0]) / held["world"])
+            elif cmd == "compute":  # busy main thread: heartbeats must keep going meanwhile
+                end = time.monotonic() + arg["seconds"]
+                a = torch.randn(256, 256)
+                while time.monotonic() < end:
+                    sum(i * i for i in range(20000))  # pure Python, holds the GIL
+                    a = (a @ a).tanh()
+                report("computed")
             elif cmd == "reinit":
                 start = time.monotonic()
                 changed = mesh.maybe_reinit_global_pg(admit_joiners=arg.get("admit", True))

@@ -170,3 +170,16 @@ def test_unreachable_coordinator_and_bad_address():
         ElasticDeviceMesh("no-port-here", token=TOKEN)
     with pytest.raises(ValueError, match="heartbeat_interval"):
         ElasticDeviceMesh("127.0.0.1:1", token=TOKEN, heartbeat_interval=5, heartbeat_timeout=3)
+
+
+def test_coordinator_gone_is_a_clear_error_not_a_hang():
+    coord = Coordinator("127.0.0.1", 0, token=TOKEN, min_nodes=2).start()
+    mesh = ElasticDeviceMesh(
+        coord.address, token=TOKEN, wait=False, heartbeat_interval=0.5, heartbeat_timeout=3
+    )
+    coord.close()  # its sockets close, as when the process is killed
+    with pytest.raises(CoordinatorLost, match="lost the coordinator"):
+        wait_until(lambda: mesh.should_abort() and False, 10, what="the loss to be noticed")
+    with pytest.raises(CoordinatorLost):
+        mesh.maybe_reinit_global_pg()
+    mesh.close()  # never raises
