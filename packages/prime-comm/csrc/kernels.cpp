@@ -128,7 +128,7 @@ void set_simd(const std::string& which) {
   if (which == "scalar") {
     use_avx2() = false;
   } else if (which == "avx2") {
-    if (!__builtin_cpu_supports("avx2")) throw std::invalid_argument("this CPU has no AVX2");
+    if (!cpu_has_avx2()) throw std::invalid_argument("this CPU has no AVX2");
     use_avx2() = true;
   } else {
     throw std::invalid_argument("simd must be 'scalar' or 'avx2'");

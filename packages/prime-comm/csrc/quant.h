@@ -8,7 +8,17 @@
 // contraction, so the bytes are identical for any thread count and either SIMD path.
 #pragma once
 
+// PRIME_COMM_X86=0 (e.g. -DPRIME_COMM_X86=0) builds the portable code only, as on ARM.
+#ifndef PRIME_COMM_X86
+#if defined(__x86_64__) || defined(__i386__)
+#define PRIME_COMM_X86 1
+#else
+#define PRIME_COMM_X86 0
+#endif
+#endif
+#if PRIME_COMM_X86
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -25,8 +35,16 @@ constexpr int64_t kCodebookBytes = kLevels * sizeof(float);
 inline int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 inline int64_t encoded_bytes(int64_t n) { return num_blocks(n) * kCodebookBytes + n; }
 
+inline bool cpu_has_avx2() {
+#if PRIME_COMM_X86
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
 inline bool& use_avx2() {
-  static bool on = __builtin_cpu_supports("avx2");
+  static bool on = cpu_has_avx2();
   return on;
 }
 
@@ -46,6 +64,7 @@ inline bool minmax_scalar(const float* x, int64_t n, float* lo_out, float* hi_ou
   return finite;
 }
 
+#if PRIME_COMM_X86
 __attribute__((target("avx2"))) inline bool minmax_avx2(const float* x, int64_t n, float* lo_out,
                                                         float* hi_out) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -76,8 +95,13 @@ __attribute__((target("avx2"))) inline bool minmax_avx2(const float* x, int64_t 
   return finite;
 }
 
+#endif
+
 inline bool minmax(const float* x, int64_t n, float* lo, float* hi) {
-  return use_avx2() ? minmax_avx2(x, n, lo, hi) : minmax_scalar(x, n, lo, hi);
+#if PRIME_COMM_X86
+  if (use_avx2()) return minmax_avx2(x, n, lo, hi);
+#endif
+  return minmax_scalar(x, n, lo, hi);
 }
 
 // ---- codes and per-bin statistics ---------------------------------------------------------
@@ -91,19 +115,33 @@ constexpr uint64_t kCountOne = uint64_t(1) << 40;
 constexpr float kFracSteps = 65536.0f;
 using BinTables = uint64_t[4][kLevels];  // four interleaved tables break store-load chains
 
-inline void encode_scalar(const float* x, int64_t n, int64_t base, float lo, float scale,
-                          uint8_t* codes, BinTables acc) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float t = (x[i] - lo) * scale;  // >= 0 since lo is the block minimum
-    int c = static_cast<int>(t);
-    c = c > 255 ? 255 : c;
-    uint32_t f = static_cast<uint32_t>((t - static_cast<float>(c)) * kFracSteps);
-    f = f > 65536u ? 65536u : f;
-    codes[i] = static_cast<uint8_t>(c);
-    acc[(base + i) & 3][c] += kCountOne + f;
+// One element: (x - lo) * (scale * 65536) is exactly 65536 * t (t = (x - lo) * scale, the
+// position in bins), so its integer part holds the code (bits 16 and up, clamped to 255) and
+// the position inside the bin (the bits below). Packed as code | position << 8.
+inline uint32_t pack_one(float x, float lo, float scale16) {
+  const int32_t big = static_cast<int32_t>((x - lo) * scale16);  // >= 0: lo is the minimum
+  const int32_t c = std::min(big >> 16, 255);
+  const int32_t f = std::min(big - (c << 16), 65536);
+  return static_cast<uint32_t>(c | (f << 8));
+}
+
+// The portable path (and the AVX2 path's tail): plain loops the compiler can vectorise.
+inline void encode_portable(const float* x, int64_t n, float lo, float scale, uint8_t* codes,
+                            BinTables acc) {
+  const float scale16 = scale * kFracSteps;
+  constexpr int64_t kTile = 1024;
+  uint32_t w[kTile];
+  for (int64_t i = 0; i < n; i += kTile) {
+    const int64_t len = std::min(kTile, n - i);
+    for (int64_t j = 0; j < len; ++j) {
+      w[j] = pack_one(x[i + j], lo, scale16);
+      codes[i + j] = static_cast<uint8_t>(w[j] & 255);
+    }
+    for (int64_t j = 0; j < len; ++j) acc[j & 3][w[j] & 255] += kCountOne + (w[j] >> 8);
   }
 }
 
+#if PRIME_COMM_X86
 // Adds 32 packed (code | position << 8) words to the four tables.
 inline void add_to_tables(const uint32_t* w, BinTables acc) {
   for (int j = 0; j < 32; j += 4) {
@@ -148,7 +186,7 @@ __attribute__((target("avx2"))) inline void encode_avx2(const float* x, int64_t 
   const __m256 vs16 = _mm256_set1_ps(scale * kFracSteps);
   constexpr int64_t kTile = 1024;
   alignas(32) uint32_t ws[2][kTile];
-  const int64_t m = n & ~int64_t(31);  // the vector part; the rest goes through encode_scalar
+  const int64_t m = n & ~int64_t(31);  // the vector part; the rest: encode_portable
   const int64_t tiles = (m + kTile - 1) / kTile;
   auto tile_len = [&](int64_t t) { return std::min(kTile, m - t * kTile); };
   auto vec = [&](int64_t pos, uint32_t* w) {
@@ -172,8 +210,9 @@ __attribute__((target("avx2"))) inline void encode_avx2(const float* x, int64_t 
     }
     for (; j < lc; j += 32) add_to_tables(cur + j, acc);
   }
-  encode_scalar(x + m, n - m, m, lo, scale, codes + m, acc);
+  encode_portable(x + m, n - m, lo, scale, codes + m, acc);
 }
+#endif
 
 // ---- one block ---------------------------------------------------------------------------
 
@@ -189,11 +228,16 @@ inline bool quantize_block(const float* x, int64_t n, float* codebook, uint8_t* 
   uint64_t acc[4][kLevels];
   std::memset(acc, 0, sizeof(acc));
   if (range <= FLT_MAX && std::isfinite(scale * kFracSteps)) {
+#if PRIME_COMM_X86
     if (use_avx2()) {
       encode_avx2(x, n, lo, scale, codes, acc, more_after);
     } else {
-      encode_scalar(x, n, 0, lo, scale, codes, acc);
+      encode_portable(x, n, lo, scale, codes, acc);
     }
+#else
+    (void)more_after;
+    encode_portable(x, n, lo, scale, codes, acc);
+#endif
   } else {
     // Range beyond float (|x| near FLT_MAX) or a bin narrower than float can express.
     for (int64_t i = 0; i < n; ++i) {
@@ -232,6 +276,7 @@ __attribute__((always_inline)) inline void decode_body(const float* cb, const ui
   }
 }
 
+#if PRIME_COMM_X86
 template <int Mode>
 __attribute__((target("avx2"))) void decode_avx2(const float* cb, const uint8_t* codes, int64_t n,
                                                  float* out) {
@@ -252,6 +297,8 @@ __attribute__((target("avx2"))) void decode_avx2(const float* cb, const uint8_t*
   decode_body<Mode>(cb, codes + i, n - i, out + i);
 }
 
+#endif
+
 template <int Mode>
 void decode_scalar(const float* cb, const uint8_t* codes, int64_t n, float* out) {
   decode_body<Mode>(cb, codes, n, out);
@@ -259,11 +306,13 @@ void decode_scalar(const float* cb, const uint8_t* codes, int64_t n, float* out)
 
 template <int Mode>
 inline void decode_block(const float* cb, const uint8_t* codes, int64_t n, float* out) {
+#if PRIME_COMM_X86
   if (use_avx2()) {
     decode_avx2<Mode>(cb, codes, n, out);
-  } else {
-    decode_scalar<Mode>(cb, codes, n, out);
+    return;
   }
+#endif
+  decode_scalar<Mode>(cb, codes, n, out);
 }
 
 inline void divide_block(float* out, int64_t n, float divisor) {

@@ -127,5 +127,7 @@ def test_single_process_group_in_process():
         prime_comm.all_reduce(x, group=pg, timeout="5")
     with pytest.raises(ValueError, match="piece_size"):
         prime_comm.all_reduce(x, group=pg, piece_size=1000)
+    with pytest.raises(ValueError, match="detach"):
+        prime_comm.all_reduce(torch.randn(10, requires_grad=True), group=pg)
     with pytest.raises(prime_comm.CollectiveAborted, match="should_abort"):
         prime_comm.all_reduce(x, group=pg, should_abort=lambda: True)

@@ -37,7 +37,8 @@ def exchange(pg, world: int, record: bytes, waiter: Waiter) -> list[bytes]:
     if world == 1:
         return [record]
     out = [torch.empty(RECORD_BYTES, dtype=torch.uint8) for _ in range(world)]
-    waiter.wait(pg.allgather([out], [mine]), "the pre-flight exchange")
+    step = "the pre-flight exchange"
+    waiter.wait(waiter.issue(lambda: pg.allgather([out], [mine]), step), step)
     return [bytes(t.numpy()) for t in out]
 
 

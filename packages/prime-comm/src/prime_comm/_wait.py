@@ -59,6 +59,16 @@ class Waiter:
                 "timeout",
             )
 
+    def issue(self, start: Callable[[], object], step: str):
+        """Start a collective; a group that refuses (broken by an earlier failure) aborts."""
+        self.check()
+        try:
+            return start()
+        except RuntimeError as e:
+            raise CollectiveAborted(
+                f"{self.what} could not start {step}: {e}", "peer_failure"
+            ) from e
+
     def wait(self, work, step: str) -> None:
         """Wait for `work` in slices of at most SLICE_SECONDS; raise CollectiveAborted on abort."""
         while True:

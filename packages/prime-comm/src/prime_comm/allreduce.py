@@ -82,6 +82,11 @@ def all_reduce(
     waiter.check()
 
     problem = problem or tensor_problem(tensor, "tensor")
+    if problem is None and tensor.requires_grad:
+        problem = ValueError(
+            "tensor requires grad and all_reduce writes in place; pass tensor.detach() "
+            "(it shares the memory, so the result still lands in tensor)"
+        )
     op_i = _index(_preflight.OPS, op)
     comp_i = _index(_preflight.COMPRESSIONS, compression)
     if op_i < 0:
@@ -144,7 +149,8 @@ def _fp32_all_reduce(pg, flat: torch.Tensor, world: int, op: str, waiter: Waiter
     buf = flat.clone()
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
-    waiter.wait(pg.allreduce([buf], opts), "the float32 all-reduce")
+    step = "the float32 all-reduce"
+    waiter.wait(waiter.issue(lambda: pg.allreduce([buf], opts), step), step)
     if op == "avg":
         buf.div_(world)
     flat.copy_(buf)
@@ -206,7 +212,10 @@ class _Uint8AllReduce:
             off += in_splits[j]
         if _kernels.quantize_many(jobs) >= 0:  # pre-flight saw finite data: it changed since
             raise RuntimeError("all_reduce: the tensor was modified during the call")
-        work = self.pg.alltoall_base(recv, send, out_splits, in_splits)
+        work = self.waiter.issue(
+            lambda: self.pg.alltoall_base(recv, send, out_splits, in_splits),
+            f"reduce-scatter piece {r}",
+        )
         self.sent += send.numel()
         self.received += recv.numel()
         return work, recv, out_splits, send
@@ -231,7 +240,7 @@ class _Uint8AllReduce:
         if _kernels.quantize_many([(self._ptr(self.rank, r), n, send.data_ptr())]) >= 0:
             raise RuntimeError("all_reduce: the tensor was modified during the call")
         recv = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
-        work = self.pg.allgather([recv], [send])
+        work = self.waiter.issue(lambda: self.pg.allgather([recv], [send]), f"all-gather piece {r}")
         # gloo's all-gather is a ring: each rank forwards W - 1 slots of this size.
         self.sent += (self.world - 1) * size
         self.received += (self.world - 1) * size
