@@ -246,3 +246,20 @@ def test_never_overwrites_a_different_committed_step(tmp_path):
         with pytest.raises(PeerError, match="fails its checksums"):
             fetch_from_peer(server.url, tmp_path / "dest", token=TOKEN)
         assert (tmp_path / "dest" / step_dirname(4) / "a.bin").read_bytes() == b"DONOR'S"
+
+
+def test_stalled_donor_is_dropped_after_bounded_waits(tmp_path, children):
+    """A donor that stops answering without closing its sockets (SIGSTOP) costs at most a
+    couple of `timeout`s; its chunks move to the donor that still answers."""
+    digest = make_checkpoint(tmp_path / "a", 9, random_files(2, 2 * MB))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    proc_a, url_a = donor_process(children, tmp_path / "a", mb_per_s=1)
+    _, url_b = donor_process(children, tmp_path / "b", mb_per_s=4)
+    dest = tmp_path / "dest"
+    f = Fetch([url_a, url_b], dest, token=TOKEN, connections=4, chunk_bytes=CHUNK, timeout=2)
+    wait_until(lambda: journal_lines(dest, 9, digest) >= 2, timeout=30, what="first chunks")
+    proc_a.send_signal(signal.SIGSTOP)
+    f.join(timeout=60)
+    assert f.error is None, f.error
+    assert f.result == 9
+    assert_same_checkpoint(tmp_path / "a" / step_dirname(9), dest / step_dirname(9))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,24 @@ class _Chunk:
     start: int
     end: int
     tries: int = 0
+
+
+class _Todo:
+    """Chunks waiting for a worker. A deque under a lock, polled: a blocking
+    `queue.SimpleQueue.get(timeout=...)` was seen to hang past its timeout on CPython 3.11
+    while a child process was being stopped (SIGSTOP), so no timed queue wait is used."""
+
+    def __init__(self) -> None:
+        self._items: deque[_Chunk] = deque()
+        self._lock = threading.Lock()
+
+    def put(self, chunk: _Chunk) -> None:
+        with self._lock:
+            self._items.append(chunk)
+
+    def take(self) -> _Chunk | None:
+        with self._lock:
+            return self._items.popleft() if self._items else None
 
 
 class Journal:
@@ -186,7 +204,7 @@ class Download:
     def run(self) -> None:
         """Download everything the journal does not list; raises PeerError on failure."""
         done = self.journal.load()
-        todo: queue.SimpleQueue[_Chunk] = queue.SimpleQueue()
+        todo = _Todo()
         total = 0
         for name, entry in sorted(self.manifest.files.items()):
             for i, start in enumerate(range(0, entry.size, self.chunk_bytes)):
@@ -227,8 +245,7 @@ class Download:
     def _watch(self, workers: list[threading.Thread], total: int) -> None:
         t0 = last = time.monotonic()
         while any(w.is_alive() for w in workers):
-            for w in workers:
-                w.join(timeout=0.2)
+            time.sleep(0.05)
             if time.monotonic() - last >= 2.0:
                 last = time.monotonic()
                 mb = self.fetched / 1e6
@@ -243,14 +260,14 @@ class Download:
     def _finished(self) -> bool:
         return self._remaining == 0 or self._error is not None or self.donors.empty()
 
-    def _work(self, slot: int, todo: queue.SimpleQueue, fds: dict[str, int]) -> None:
+    def _work(self, slot: int, todo: _Todo, fds: dict[str, int]) -> None:
         conn: Connection | None = None
         max_tries = 2 * _STRIKES * len(self.donors._strikes) + 2
         try:
             while not self._finished():
-                try:
-                    chunk = todo.get(timeout=0.1)
-                except queue.Empty:
+                chunk = todo.take()
+                if chunk is None:  # all taken; one may come back if its donor fails
+                    time.sleep(0.02)
                     continue
                 url = self.donors.pick(slot, conn.url if conn else None)
                 if url is None:
@@ -301,6 +318,10 @@ class Download:
         except (PeerAuthError, PeerError, OSError) as e:
             with self._lock:
                 self._error = self._error or e
+        except Exception as e:  # a bug must end the transfer, never leave a chunk orphaned
+            log.exception("fetch worker %d failed", slot)
+            with self._lock:
+                self._error = self._error or PeerError(f"internal error in a fetch worker: {e!r}")
         finally:
             if conn is not None:
                 conn.close()
