@@ -32,7 +32,6 @@ _STRIKES = 2  # consecutive failures before a donor is dropped
 @dataclass
 class _Chunk:
     name: str
-    index: int
     start: int
     end: int
     tries: int = 0
@@ -57,35 +56,47 @@ class _Todo:
 
 
 class Journal:
-    """Append-only record of finished chunks: one 'index<TAB>name' line each."""
+    """Append-only record of finished byte ranges, one 'start<TAB>end<TAB>name' line each.
+    Ranges rather than chunk numbers, so a rerun with another chunk size still resumes."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / JOURNAL
         self._lock = threading.Lock()
         self._fd: int | None = None
 
-    def load(self) -> set[tuple[str, int]]:
-        done = set()
+    def load(self) -> dict[str, list[tuple[int, int]]]:
+        """File name -> finished [start, end) ranges."""
+        done: dict[str, list[tuple[int, int]]] = {}
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return done
-        for line in text.splitlines():
-            idx, sep, name = line.partition("\t")
-            if sep and idx.isdigit():  # a torn last line is ignored and refetched
-                done.add((name, int(idx)))
+        for line in text.split("\n")[:-1]:  # a torn last line has no newline: refetched
+            start, _, rest = line.partition("\t")
+            end, _, name = rest.partition("\t")
+            if start.isdigit() and end.isdigit() and name:
+                done.setdefault(name, []).append((int(start), int(end)))
         return done
 
-    def mark(self, name: str, index: int) -> None:
+    @staticmethod
+    def covers(done: dict[str, list[tuple[int, int]]], name: str, start: int, end: int) -> bool:
+        return any(s <= start and end <= e for s, e in done.get(name, ()))
+
+    def mark(self, name: str, start: int, end: int) -> None:
         with self._lock:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.write(self._fd, f"{index}\t{name}\n".encode())
+            os.write(self._fd, f"{start}\t{end}\t{name}\n".encode())
 
     def forget(self, names: set[str]) -> None:
         """Drop every record of `names` (their files failed the checksum)."""
         self.close()
-        keep = [f"{i}\t{n}\n" for n, i in sorted(self.load()) if n not in names]
+        keep = [
+            f"{s}\t{e}\t{n}\n"
+            for n, ranges in sorted(self.load().items())
+            if n not in names
+            for s, e in ranges
+        ]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(keep))
         tmp.replace(self.path)
@@ -207,12 +218,13 @@ class Download:
         todo = _Todo()
         total = 0
         for name, entry in sorted(self.manifest.files.items()):
-            for i, start in enumerate(range(0, entry.size, self.chunk_bytes)):
-                if (name, i) not in done:
-                    todo.put(_Chunk(name, i, start, min(entry.size, start + self.chunk_bytes)))
+            for start in range(0, entry.size, self.chunk_bytes):
+                end = min(entry.size, start + self.chunk_bytes)
+                if not Journal.covers(done, name, start, end):
+                    todo.put(_Chunk(name, start, end))
                     self._remaining += 1
                     self._pending[name] = self._pending.get(name, 0) + 1
-                    total += min(entry.size, start + self.chunk_bytes) - start
+                    total += end - start
         if not self._remaining:
             return
         fds = self._open_files()
@@ -305,7 +317,7 @@ class Download:
                     continue
                 self._hashes.release(chunk.name, hasher, chunk.end if hasher else None)
                 self.donors.ok(url)
-                self.journal.mark(chunk.name, chunk.index)
+                self.journal.mark(chunk.name, chunk.start, chunk.end)
                 with self._lock:
                     self.fetched += n
                     self._remaining -= 1
