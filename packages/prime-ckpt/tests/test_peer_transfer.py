@@ -47,19 +47,26 @@ def random_files(n: int, size: int) -> dict[str, bytes]:
     return {f"shard{i}/w.bin": os.urandom(size) for i in range(n)} | {"meta.bin": b"m" * 10}
 
 
-def donor_process(children, root: Path, mb_per_s: float) -> tuple[subprocess.Popen, str]:
-    """A rate-limited donor in its own process; returns it and its URL (bounded wait)."""
+def donor_processes(children, *donors: tuple[Path, float]) -> list[tuple[subprocess.Popen, str]]:
+    """Rate-limited donors (folder, MB/s), each in its own process, started together; returns
+    each process with its URL (bounded wait)."""
     env = dict(os.environ, PRIME_TOKEN=TOKEN)
-    p = children.python(
-        ["-m", "prime_ckpt.peer", "serve", str(root), "--max-mb-per-s", str(mb_per_s)],
-        stdout=subprocess.PIPE,
-        env=env,
-    )
-    ready, _, _ = select.select([p.stdout], [], [], 30)
-    assert ready, "donor process did not print its URL within 30 s"
-    url = p.stdout.readline().decode().strip()
-    assert url.startswith("http://127.0.0.1:"), url
-    return p, url
+    procs = [
+        children.python(
+            ["-m", "prime_ckpt.peer", "serve", str(root), "--max-mb-per-s", str(rate)],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        for root, rate in donors
+    ]
+    out = []
+    for p in procs:
+        ready, _, _ = select.select([p.stdout], [], [], 30)
+        assert ready, "donor process did not print its URL within 30 s"
+        url = p.stdout.readline().decode().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        out.append((p, url))
+    return out
 
 
 def journal_lines(dest: Path, step: int, digest: str) -> int:
@@ -127,8 +134,9 @@ def test_donor_killed_mid_transfer_switches_to_same_digest_only(tmp_path, childr
     shutil.copytree(tmp_path / "a", tmp_path / "b")  # the same checkpoint on a second donor
     other = make_checkpoint(tmp_path / "c", 3, random_files(3, 2 * MB))  # same step, other bytes
     assert other != digest
-    proc_a, url_a = donor_process(children, tmp_path / "a", mb_per_s=1)
-    _, url_b = donor_process(children, tmp_path / "b", mb_per_s=1)
+    (proc_a, url_a), (_, url_b) = donor_processes(
+        children, (tmp_path / "a", 1), (tmp_path / "b", 1)
+    )
     with serve_directory(tmp_path / "c", "127.0.0.1", token=TOKEN) as server_c:
         dest = tmp_path / "dest"
         f = Fetch(
@@ -203,7 +211,7 @@ def test_resume_after_interrupted_fetch(tmp_path, children):
     total = sum(map(len, files.values()))
     digest = make_checkpoint(tmp_path / "donor", 7, files)
     dest = tmp_path / "dest"
-    proc, url = donor_process(children, tmp_path / "donor", mb_per_s=2)
+    [(proc, url)] = donor_processes(children, (tmp_path / "donor", 2))
     f = Fetch([url], dest, token=TOKEN, connections=2, chunk_bytes=CHUNK, timeout=10)
     wait_until(lambda: journal_lines(dest, 7, digest) >= 4, timeout=30, what="some chunks")
     proc.send_signal(signal.SIGKILL)
@@ -212,20 +220,19 @@ def test_resume_after_interrupted_fetch(tmp_path, children):
     assert isinstance(f.error, PeerGoneError), f.error
     partial = dest / partial_dirname(7, digest)
     done = (partial / JOURNAL).read_text().splitlines()
-    done_bytes = 0
-    for line in done:
-        idx, name = line.split("\t")
-        done_bytes += min(len(files[name]), (int(idx) + 1) * CHUNK) - int(idx) * CHUNK
+    ranges = [line.split("\t") for line in done]
+    done_bytes = sum(int(end) - int(start) for start, end, _ in ranges)
     assert 0 < done_bytes < total
     # A byte the journal vouches for rots on disk: the checksum catches it and refetches.
-    idx, name = done[0].split("\t")
+    start, _, name = ranges[0]
     with open(partial / name, "r+b") as fh:
-        fh.seek(int(idx) * CHUNK)
+        fh.seek(int(start))
         b = fh.read(1)
-        fh.seek(int(idx) * CHUNK)
+        fh.seek(int(start))
         fh.write(bytes([b[0] ^ 0xFF]))
     with serve_directory(tmp_path / "donor", "127.0.0.1", token=TOKEN) as server:
-        assert fetch_from_peer([server.url], dest, token=TOKEN, chunk_bytes=CHUNK) == 7
+        # A rerun with another chunk size still resumes (the journal records byte ranges).
+        assert fetch_from_peer([server.url], dest, token=TOKEN, chunk_bytes=CHUNK // 2) == 7
         rotten = len(files[name])
         assert server.bytes_sent == total - done_bytes + rotten  # only the missing parts
     assert_same_checkpoint(tmp_path / "donor" / step_dirname(7), dest / step_dirname(7))
@@ -246,3 +253,21 @@ def test_never_overwrites_a_different_committed_step(tmp_path):
         with pytest.raises(PeerError, match="fails its checksums"):
             fetch_from_peer(server.url, tmp_path / "dest", token=TOKEN)
         assert (tmp_path / "dest" / step_dirname(4) / "a.bin").read_bytes() == b"DONOR'S"
+
+
+def test_stalled_donor_is_dropped_after_bounded_waits(tmp_path, children):
+    """A donor that stops answering without closing its sockets (SIGSTOP) costs at most a
+    couple of `timeout`s; its chunks move to the donor that still answers."""
+    digest = make_checkpoint(tmp_path / "a", 9, random_files(2, 2 * MB))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (proc_a, url_a), (_, url_b) = donor_processes(
+        children, (tmp_path / "a", 1), (tmp_path / "b", 4)
+    )
+    dest = tmp_path / "dest"
+    f = Fetch([url_a, url_b], dest, token=TOKEN, connections=4, chunk_bytes=CHUNK, timeout=2)
+    wait_until(lambda: journal_lines(dest, 9, digest) >= 2, timeout=30, what="first chunks")
+    proc_a.send_signal(signal.SIGSTOP)
+    f.join(timeout=60)
+    assert f.error is None, f.error
+    assert f.result == 9
+    assert_same_checkpoint(tmp_path / "a" / step_dirname(9), dest / step_dirname(9))

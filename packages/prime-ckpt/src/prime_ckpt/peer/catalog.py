@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,11 +161,14 @@ class Catalog:
             if job is None or job[0] != key:
                 if not start or self._closing.is_set():
                     return None
-                job = (key, self._pool.submit(self._verify, step, key, manifest))
+                try:
+                    job = (key, self._pool.submit(self._verify, step, key, manifest))
+                except RuntimeError:  # closing: the pool takes no more work
+                    return None
                 self._jobs[step] = job
         try:
             return job[1].result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
+        except (FutureTimeout, CancelledError):  # still running, or cancelled by close()
             return None
 
     def _verify(self, step: int, key: tuple, manifest: Manifest) -> bool | None:

@@ -163,12 +163,16 @@ def fetch_from_peer(
     urls = list(dict.fromkeys(normalize_url(u) for u in urls))
     if not urls:
         raise ValueError("fetch_from_peer needs at least one donor URL (a server's .url)")
+    if not isinstance(connections, int) or not isinstance(chunk_bytes, int):
+        raise ValueError("connections and chunk_bytes must be ints")
     if connections < 1 or timeout <= 0 or chunk_bytes < 1:
         raise ValueError("connections and chunk_bytes must be >= 1 and timeout > 0")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
 
     offer, donors = choose(ask_donors(urls, key, timeout))
+    if {MANIFEST_NAME, JOURNAL} & set(offer.manifest.files):
+        raise PeerError(f"the manifest offered by {donors} lists reserved file names; refused")
     target = dest / step_dirname(offer.step)
     if _already_have(target, offer):
         log.info("%s already holds step %d; nothing to fetch", dest, offer.step)

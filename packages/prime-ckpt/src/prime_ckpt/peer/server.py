@@ -292,9 +292,9 @@ class PeerServer:
         self._closing.set()
         self._httpd.shutdown()
         self._thread.join(timeout=10)
+        self.catalog.close()  # first, so that no handler still waits on a verification
         self._httpd.drop_connections()
         self._httpd.server_close()  # joins the handler threads
-        self.catalog.close()
 
     def __enter__(self) -> PeerServer:
         return self

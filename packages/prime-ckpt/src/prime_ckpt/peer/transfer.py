@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,42 +32,71 @@ _STRIKES = 2  # consecutive failures before a donor is dropped
 @dataclass
 class _Chunk:
     name: str
-    index: int
     start: int
     end: int
     tries: int = 0
 
 
+class _Todo:
+    """Chunks waiting for a worker. A deque under a lock, polled: a blocking
+    `queue.SimpleQueue.get(timeout=...)` was seen to hang past its timeout on CPython 3.11
+    while a child process was being stopped (SIGSTOP), so no timed queue wait is used."""
+
+    def __init__(self) -> None:
+        self._items: deque[_Chunk] = deque()
+        self._lock = threading.Lock()
+
+    def put(self, chunk: _Chunk) -> None:
+        with self._lock:
+            self._items.append(chunk)
+
+    def take(self) -> _Chunk | None:
+        with self._lock:
+            return self._items.popleft() if self._items else None
+
+
 class Journal:
-    """Append-only record of finished chunks: one 'index<TAB>name' line each."""
+    """Append-only record of finished byte ranges, one 'start<TAB>end<TAB>name' line each.
+    Ranges rather than chunk numbers, so a rerun with another chunk size still resumes."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / JOURNAL
         self._lock = threading.Lock()
         self._fd: int | None = None
 
-    def load(self) -> set[tuple[str, int]]:
-        done = set()
+    def load(self) -> dict[str, list[tuple[int, int]]]:
+        """File name -> finished [start, end) ranges."""
+        done: dict[str, list[tuple[int, int]]] = {}
         try:
             text = self.path.read_text()
         except FileNotFoundError:
             return done
-        for line in text.splitlines():
-            idx, sep, name = line.partition("\t")
-            if sep and idx.isdigit():  # a torn last line is ignored and refetched
-                done.add((name, int(idx)))
+        for line in text.split("\n")[:-1]:  # a torn last line has no newline: refetched
+            start, _, rest = line.partition("\t")
+            end, _, name = rest.partition("\t")
+            if start.isdigit() and end.isdigit() and name:
+                done.setdefault(name, []).append((int(start), int(end)))
         return done
 
-    def mark(self, name: str, index: int) -> None:
+    @staticmethod
+    def covers(done: dict[str, list[tuple[int, int]]], name: str, start: int, end: int) -> bool:
+        return any(s <= start and end <= e for s, e in done.get(name, ()))
+
+    def mark(self, name: str, start: int, end: int) -> None:
         with self._lock:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.write(self._fd, f"{index}\t{name}\n".encode())
+            os.write(self._fd, f"{start}\t{end}\t{name}\n".encode())
 
     def forget(self, names: set[str]) -> None:
         """Drop every record of `names` (their files failed the checksum)."""
         self.close()
-        keep = [f"{i}\t{n}\n" for n, i in sorted(self.load()) if n not in names]
+        keep = [
+            f"{s}\t{e}\t{n}\n"
+            for n, ranges in sorted(self.load().items())
+            if n not in names
+            for s, e in ranges
+        ]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(keep))
         tmp.replace(self.path)
@@ -186,15 +215,16 @@ class Download:
     def run(self) -> None:
         """Download everything the journal does not list; raises PeerError on failure."""
         done = self.journal.load()
-        todo: queue.SimpleQueue[_Chunk] = queue.SimpleQueue()
+        todo = _Todo()
         total = 0
         for name, entry in sorted(self.manifest.files.items()):
-            for i, start in enumerate(range(0, entry.size, self.chunk_bytes)):
-                if (name, i) not in done:
-                    todo.put(_Chunk(name, i, start, min(entry.size, start + self.chunk_bytes)))
+            for start in range(0, entry.size, self.chunk_bytes):
+                end = min(entry.size, start + self.chunk_bytes)
+                if not Journal.covers(done, name, start, end):
+                    todo.put(_Chunk(name, start, end))
                     self._remaining += 1
                     self._pending[name] = self._pending.get(name, 0) + 1
-                    total += min(entry.size, start + self.chunk_bytes) - start
+                    total += end - start
         if not self._remaining:
             return
         fds = self._open_files()
@@ -227,8 +257,7 @@ class Download:
     def _watch(self, workers: list[threading.Thread], total: int) -> None:
         t0 = last = time.monotonic()
         while any(w.is_alive() for w in workers):
-            for w in workers:
-                w.join(timeout=0.2)
+            time.sleep(0.05)
             if time.monotonic() - last >= 2.0:
                 last = time.monotonic()
                 mb = self.fetched / 1e6
@@ -243,14 +272,14 @@ class Download:
     def _finished(self) -> bool:
         return self._remaining == 0 or self._error is not None or self.donors.empty()
 
-    def _work(self, slot: int, todo: queue.SimpleQueue, fds: dict[str, int]) -> None:
+    def _work(self, slot: int, todo: _Todo, fds: dict[str, int]) -> None:
         conn: Connection | None = None
         max_tries = 2 * _STRIKES * len(self.donors._strikes) + 2
         try:
             while not self._finished():
-                try:
-                    chunk = todo.get(timeout=0.1)
-                except queue.Empty:
+                chunk = todo.take()
+                if chunk is None:  # all taken; one may come back if its donor fails
+                    time.sleep(0.02)
                     continue
                 url = self.donors.pick(slot, conn.url if conn else None)
                 if url is None:
@@ -288,7 +317,7 @@ class Download:
                     continue
                 self._hashes.release(chunk.name, hasher, chunk.end if hasher else None)
                 self.donors.ok(url)
-                self.journal.mark(chunk.name, chunk.index)
+                self.journal.mark(chunk.name, chunk.start, chunk.end)
                 with self._lock:
                     self.fetched += n
                     self._remaining -= 1
@@ -301,6 +330,10 @@ class Download:
         except (PeerAuthError, PeerError, OSError) as e:
             with self._lock:
                 self._error = self._error or e
+        except Exception as e:  # a bug must end the transfer, never leave a chunk orphaned
+            log.exception("fetch worker %d failed", slot)
+            with self._lock:
+                self._error = self._error or PeerError(f"internal error in a fetch worker: {e!r}")
         finally:
             if conn is not None:
                 conn.close()
