@@ -130,6 +130,13 @@ def main() -> None:
             np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
         with CheckpointManager(root / "dt1", shm_dir=shm) as mgr:
             mgr.save(4, dstate(mesh, 4)).wait(120)
+            try:
+                mgr.save(
+                    5, {"layer": {"w": distribute_tensor(torch.zeros(2, 4), mesh, [Shard(1)])}}
+                )
+                raise AssertionError("Shard(1) accepted")
+            except TypeError as e:
+                assert "cannot checkpoint layer/w" in str(e) and "Shard(0)" in str(e), e
     elif phase == "load2":
         st = dstate(mesh, None)
         with CheckpointManager(root / "dt1", shm_dir=shm) as mgr:

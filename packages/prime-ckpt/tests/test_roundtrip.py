@@ -1,7 +1,5 @@
 """Single-process saves and loads: round trips, strictness, staging reuse, retention."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -226,8 +224,3 @@ def test_stale_shm_of_dead_run_cleaned(tmp_path, monkeypatch):
     )
     removed = staging.clean_stale(tmp_path / "root")
     assert removed == [dead] and alive.exists()
-
-
-def test_remote_not_implemented_yet(tmp_path):
-    with warnings.catch_warnings(), pytest.raises(NotImplementedError, match="remote"):
-        CheckpointManager(tmp_path, remote="memory://x")

@@ -4,8 +4,9 @@ RAM (shared memory) first, then disk in the background, every file checksummed, 
 atomically, resharded on load.
 """
 
-from prime_ckpt.manager import CheckpointInfo, CheckpointManager, CheckpointWarning, SaveHandle
+from prime_ckpt.manager import CheckpointManager
 from prime_ckpt.reader import CheckpointError, CorruptCheckpoint, StateMismatch
+from prime_ckpt.records import CheckpointInfo, CheckpointWarning, SaveHandle
 
 __version__ = "0.1.0"
 

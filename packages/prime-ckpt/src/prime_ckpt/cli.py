@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from prime_ckpt.manager import CheckpointInfo, _info
 from prime_ckpt.manifest import ManifestError, read_manifest, step_dirname, verify_dir
+from prime_ckpt.records import CheckpointInfo, _info
 from prime_ckpt.staging import default_shm_dir
 from prime_ckpt.writer import TMP_PREFIX, disk_steps
 

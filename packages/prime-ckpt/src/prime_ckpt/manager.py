@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import shutil
 import threading
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prime_ckpt.collectives import agree_nonce, all_reduce_int, group_info
 from prime_ckpt.faults import fault
-from prime_ckpt.manifest import Manifest, data_name, meta_name, step_dirname, verify_dir
+from prime_ckpt.manifest import Manifest, data_name, meta_name, step_dirname
 from prime_ckpt.reader import (
     CheckpointError,
     CorruptCheckpoint,
@@ -24,69 +25,19 @@ from prime_ckpt.reader import (
     apply_plan,
     plan_load,
 )
+from prime_ckpt.records import (
+    CheckpointInfo,
+    CheckpointWarning,
+    SaveHandle,
+    _info,
+    _parse_keep,
+)
+from prime_ckpt.remote import RemoteStore, Uploader
 from prime_ckpt.staging import Stager, clean_stale, default_shm_dir
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
-from prime_ckpt.writer import CommitError, DiskCommitter, copy_hashed, disk_steps
+from prime_ckpt.writer import TMP_PREFIX, CommitError, DiskCommitter, copy_hashed, disk_steps
 
 log = logging.getLogger("prime_ckpt")
-DEFAULT_KEEP = {"ram": 2, "disk": 3}
-
-
-class CheckpointWarning(UserWarning):
-    """A background save failed; older checkpoints are intact."""
-
-
-class SaveHandle:
-    """What `save()` returns: the step, and a way to wait until it is durable on disk."""
-
-    def __init__(self, step: int, on_report: Any = None) -> None:
-        self.step = step
-        self.error: str | None = None
-        self._done = threading.Event()
-        self._on_report = on_report
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is committed on disk; CheckpointError if that failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"step {self.step} not durable after {timeout}s")
-        if self.error:
-            if self._on_report:
-                self._on_report(self.step)
-            raise CheckpointError(self.error)
-
-
-@dataclass
-class CheckpointInfo:
-    """One copy of one checkpoint, as `list()` reports it."""
-
-    step: int
-    tier: str  # "ram" or "disk"
-    path: str | None
-    size: int
-    status: str  # "ok", "corrupt" or "failed"
-    verified: bool | None = None  # None: not checked
-    detail: str = ""
-
-
-def _parse_keep(keep: int | Mapping[str, int] | None) -> dict[str, int]:
-    out = dict(DEFAULT_KEEP)
-    if isinstance(keep, int):
-        out["disk"] = keep
-    elif isinstance(keep, Mapping):
-        unknown = set(keep) - {"ram", "disk", "remote"}
-        if unknown:
-            raise ValueError(f"keep: unknown tiers {sorted(unknown)}; use ram, disk, remote")
-        out.update(keep)
-    elif keep is not None:
-        raise TypeError(f"keep must be an int or a dict of tier -> count, got {keep!r}")
-    if out["ram"] not in (1, 2):
-        raise ValueError(f"keep['ram'] must be 1 or 2 (two staging buffers), got {out['ram']}")
-    if out["disk"] < 1:
-        raise ValueError(f"keep['disk'] must be at least 1, got {out['disk']}")
-    return out
 
 
 class CheckpointManager:
@@ -109,17 +60,19 @@ class CheckpointManager:
         keep: int | Mapping[str, int] | None = None,
         group: Any = None,
         commit_timeout: float = 600.0,
+        remote_compression: str | None = None,
+        remote_retries: int = 5,
+        remote_backoff: float = 0.5,
     ) -> None:
-        if remote is not None:
-            raise NotImplementedError("the remote tier is not implemented yet; pass remote=None")
         self.keep = _parse_keep(keep)
+        self._remote = RemoteStore(remote, remote_options, remote_compression) if remote else None
         self.disk_dir = Path(disk_dir)
         try:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint folder {self.disk_dir}: {e}") from None
         self.group, self.rank, self.world = group_info(group)
-        nonce = agree_nonce(self.group)
+        self._nonce = nonce = agree_nonce(self.group)
         if shm_dir is None:
             self.shm_dir = default_shm_dir(self.disk_dir, self.rank)
             clean_stale(self.shm_dir.parent)
@@ -130,6 +83,17 @@ class CheckpointManager:
             self.disk_dir, self.rank, self.world, nonce, self.keep["disk"], commit_timeout
         )
         self._committer.clean_leftovers()
+        self._uploader = None
+        if self._remote is not None and self.rank == 0:
+            self._uploader = Uploader(
+                self._remote,
+                self.disk_dir,
+                self.keep.get("remote"),
+                self._committer.pins,
+                retries=remote_retries,
+                backoff=remote_backoff,
+            )
+            self._committer.on_commit = self._uploader.submit
         self._inflight: SaveHandle | None = None
         self._failures: dict[int, str] = {}
         self._unreported: list[tuple[int, str]] = []
@@ -243,18 +207,59 @@ class CheckpointManager:
         d = self.disk_dir / step_dirname(step)
         if d.is_dir():
             out.append(("disk", d))
+        if step in self._remote_steps():
+            out.append(("remote", d))
         return out
+
+    def _remote_steps(self) -> list[int]:
+        if self._remote is None:
+            return []
+        try:
+            return self._remote.steps()
+        except Exception as e:  # an unreachable remote must not stop a local restore
+            warnings.warn(f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=4)
+            return []
 
     def _steps(self) -> list[int]:
         ram = {s for s, _ in self._stager.committed()}
-        return sorted(ram | {s for s, _ in disk_steps(self.disk_dir)}, reverse=True)
+        disk = {s for s, _ in disk_steps(self.disk_dir)}
+        return sorted(ram | disk | set(self._remote_steps()), reverse=True)
+
+    def _open(self, tier: str, path: Path, step: int) -> Source:
+        if tier != "remote":
+            return Source.open(tier, path)
+        tmp = self.disk_dir / f"{TMP_PREFIX}remote-{step_dirname(step)}-{self._nonce}-r{self.rank}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self._remote.download(step, tmp)
+        except CorruptCheckpoint:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CorruptCheckpoint(f"download from {self._remote.url} failed: {e}") from None
+        src = Source.open("disk", tmp)
+        src.tier = "remote"
+        return src
+
+    def _finish(self, plan: Plan | Any, loaded: bool) -> None:
+        """A remote copy, once loaded, becomes the disk copy (rank 0); else it is removed."""
+        if not isinstance(plan, Plan) or plan.source.tier != "remote":
+            return
+        final = self.disk_dir / step_dirname(plan.source.manifest.step)
+        if loaded and self.rank == 0 and not final.exists():
+            os.rename(plan.source.dir, final)
+        else:
+            shutil.rmtree(plan.source.dir, ignore_errors=True)
 
     def _plan(self, step: int, state: dict, strict: bool) -> tuple[int, Plan | Exception | None]:
         """(1, plan) when loadable, (0, reason) when no copy verifies, (-1, error) on mismatch."""
         reasons = []
         for tier, path in self._copies(step):
             try:
-                return 1, plan_load(state, Source.open(tier, path), self.rank, self.world, strict)
+                return 1, plan_load(
+                    state, self._open(tier, path, step), self.rank, self.world, strict
+                )
             except NotCovered as e:
                 reasons.append(str(e))
             except CorruptCheckpoint as e:
@@ -291,18 +296,30 @@ class CheckpointManager:
             if step < 0:
                 return None
             code, result = self._plan(step, state, strict)
-            if self._agree(code, result):
-                apply_plan(result)
-                return step
+            agreed = False
+            try:
+                agreed = self._agree(code, result)
+                if agreed:
+                    apply_plan(result)
+                    return step
+            finally:
+                self._finish(result, agreed)
             bound = step
 
     def load(self, step: int, state: dict, strict: bool = True) -> int:
         """Load one step in place; CheckpointError if it is missing or fails verification."""
         code, result = self._plan(step, state, strict)
-        if not self._agree(code, result):
-            raise result if code == 0 else CheckpointError(f"step {step} failed on another rank")
-        apply_plan(result)
-        return step
+        agreed = False
+        try:
+            agreed = self._agree(code, result)
+            if not agreed:
+                raise (
+                    result if code == 0 else CheckpointError(f"step {step} failed on another rank")
+                )
+            apply_plan(result)
+            return step
+        finally:
+            self._finish(result, agreed)
 
     # ---- inspection and lifecycle --------------------------------------------------------
 
@@ -317,6 +334,7 @@ class CheckpointManager:
             failures = dict(self._failures)
         for s, msg in failures.items():
             out.append(CheckpointInfo(s, "disk", None, 0, "failed", False, msg))
+        out += self._list_remote()
         return sorted(out, key=lambda c: (-c.step, c.tier != "ram"))
 
     def serve(
@@ -329,9 +347,40 @@ class CheckpointManager:
             self.disk_dir, host=host, port=port, token=token, advertise_host=advertise_host
         )
 
-    def close(self) -> None:
-        """Finish the in-flight save and stop. The RAM copy is freed when the newest staged
-        checkpoint is durable on disk, and kept (for the next process) otherwise."""
+    def _list_remote(self) -> list[CheckpointInfo]:
+        if self._remote is None:
+            return []
+        out = []
+        for s in self._remote_steps():
+            try:
+                m = self._remote.manifest(s)
+                size = sum(f.size for f in m.files.values())
+                out.append(
+                    CheckpointInfo(s, "remote", self._remote.path(step_dirname(s)), size, "ok")
+                )
+            except Exception as e:
+                out.append(CheckpointInfo(s, "remote", None, 0, "corrupt", False, str(e)))
+        if self._uploader is not None:
+            for s in sorted(self._uploader.skipped):
+                out.append(
+                    CheckpointInfo(
+                        s, "remote", None, 0, "skipped", None, "a newer step was uploaded instead"
+                    )
+                )
+            for s, msg in dict(self._uploader.failed).items():
+                out.append(CheckpointInfo(s, "remote", None, 0, "failed", False, msg))
+        return out
+
+    def wait_remote(self, timeout: float | None = None) -> bool:
+        """Block until the newest committed step is uploaded (or its upload failed); False on
+        timeout. Uploads never make `save()` wait; this is for the end of a run and tests."""
+        if self._inflight is not None:
+            self._inflight._done.wait(timeout)
+        return self._uploader.wait(timeout) if self._uploader is not None else True
+
+    def close(self, remote_timeout: float | None = None) -> None:
+        """Finish the in-flight save and its upload, and stop. The RAM copy is freed when the
+        newest staged checkpoint is durable on disk, and kept (for the next process) otherwise."""
         if self._closed:
             return
         self._closed = True
@@ -339,6 +388,8 @@ class CheckpointManager:
             self._inflight._done.wait()
         self._jobs.put(None)
         self._worker.join()
+        if self._uploader is not None:
+            self._uploader.close(remote_timeout)
         on_disk = [s for s, _ in disk_steps(self.disk_dir)]
         newest = max(on_disk, default=-1)
         if all(s <= newest for s, _ in self._stager.committed()):
@@ -349,21 +400,6 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _info(
-    step: int, tier: str, path: Path, verify: bool, m: Manifest | None = None
-) -> CheckpointInfo:
-    try:
-        m = m or Source.open(tier, path).manifest
-    except CheckpointError as e:
-        return CheckpointInfo(step, tier, str(path), 0, "corrupt", False, str(e))
-    size = sum(f.size for f in m.files.values())
-    if not verify:
-        return CheckpointInfo(step, tier, str(path), size, "ok")
-    problems = verify_dir(path, m)
-    status = "corrupt" if problems else "ok"
-    return CheckpointInfo(step, tier, str(path), size, status, not problems, "; ".join(problems))
 
 
 __all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointWarning", "SaveHandle", "CommitError"]

@@ -105,6 +105,8 @@ class DiskCommitter:
         self.nonce = nonce
         self.keep = keep
         self.timeout = timeout
+        self.pins: set[int] = set()  # steps waiting for or in upload: never pruned
+        self.on_commit = None  # called with the step after the rename, before pruning
 
     def tmp_dir(self, step: int) -> Path:
         return self.dir / f"{TMP_PREFIX}{step_dirname(step)}-{self.nonce}"
@@ -150,6 +152,8 @@ class DiskCommitter:
         os.rename(tmp, final)
         fsync_dir(self.dir)
         fault("after_rename", step)
+        if self.on_commit is not None:
+            self.on_commit(step)
         self.prune(step)
 
     def abort(self, step: int, reason: str) -> None:
@@ -219,7 +223,7 @@ class DiskCommitter:
         steps = committed_steps(self.dir)
         removed = []
         for s in steps[: max(0, len(steps) - self.keep)]:
-            if is_leased(self.dir, s):
+            if is_leased(self.dir, s) or s in self.pins:
                 continue
             dest = self.dir / f"{TRASH_PREFIX}{step_dirname(s)}-{time.monotonic_ns()}"
             os.rename(self.dir / step_dirname(s), dest)
