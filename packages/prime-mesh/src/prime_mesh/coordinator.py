@@ -13,8 +13,7 @@ import logging
 import queue
 import socket
 import threading
-
-import torch.distributed as dist
+from typing import Any
 
 from prime_mesh.errors import MeshAuthError
 from prime_mesh.membership import Membership, Node, Refused
@@ -81,7 +80,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
-        self._store: dist.TCPStore | None = None
+        self._store: Any = None  # torch.distributed.TCPStore, the gloo rendezvous
         self._threads: list[threading.Thread] = []
         self._conns: set[_Conn] = set()
 
@@ -109,6 +108,8 @@ class Coordinator:
             ) from None
         sock.listen(128)
         self._sock = sock
+        import torch.distributed as dist  # here, so a busy port or a bad token fails before torch loads
+
         self._store = dist.TCPStore(
             self.host,
             self._store_port,
