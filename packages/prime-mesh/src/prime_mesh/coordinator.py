@@ -199,10 +199,10 @@ class Coordinator:
         except MeshAuthError as e:
             log.warning("refused message from %s: %s", peer, e)
             conn.send({"type": "error", "error": f"refused: {e}"})
-        except (OSError, ConnectionError):
+        except (OSError, ConnectionError, Refused):
             pass
-        except Refused:
-            pass
+        except Exception:  # a bug or malformed fields from an authenticated peer: drop only it
+            log.exception("closing the connection from %s after an error", peer)
         finally:
             self._conns.discard(conn)
             if node is not None:
