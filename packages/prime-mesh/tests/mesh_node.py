@@ -22,14 +22,39 @@ BOUND = 2 * HB_TIMEOUT + 5  # the issue's loose bound for every failure path
 def _mesh(coordinator: str, token: str, kwargs: dict):
     from prime_mesh import ElasticDeviceMesh
 
+    kwargs = {"host": "127.0.0.1", **kwargs}
     return ElasticDeviceMesh(
         coordinator,
-        host="127.0.0.1",
         token=token,
         heartbeat_interval=HB_INTERVAL,
         heartbeat_timeout=HB_TIMEOUT,
         **kwargs,
     )
+
+
+def tcp_endpoints() -> dict[str, set[str]]:
+    """IPv4 addresses of this process's TCP sockets (local and remote ends), from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+
+    def ip(hexaddr: str) -> str:
+        h = hexaddr.split(":")[0]
+        return ".".join(str(int(h[i : i + 2], 16)) for i in (6, 4, 2, 0))
+
+    ends: dict[str, set[str]] = {"local": set(), "remote": set()}
+    with open("/proc/self/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if parts[9] in inodes:
+                ends["local"].add(ip(parts[1]))
+                ends["remote"].add(ip(parts[2]))
+    return ends
 
 
 def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) -> None:
@@ -122,6 +147,8 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 report("members", members=mesh.members())
             elif cmd == "check":
                 report("check", abort=mesh.should_abort())
+            elif cmd == "sockets":
+                report("sockets", **{k: sorted(v) for k, v in tcp_endpoints().items()})
             elif cmd == "close":
                 mesh.close()
                 report("closed")

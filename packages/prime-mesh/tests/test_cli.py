@@ -48,10 +48,17 @@ def _run(*args, env_token=None, timeout=60):
 def test_cli_status_and_coordinator_killed(children, tmp_path):
     coord, address = _start_coordinator(children, "--min-nodes", "2")
     cluster = Cluster(children, address, TOKEN)
-    for n, url in (("a", "http://a:1"), ("b", "http://b:1")):
-        cluster.start(n, metadata={"serve_url": url})
+    hosts = {"a": "127.0.0.3", "b": "127.0.0.2"}
     for n in "ab":
-        assert cluster.expect(n, "joined", timeout=120)["world"] == 2
+        cluster.start(n, metadata={"serve_url": f"http://{n}:1"}, host=hosts[n])
+    joined = {n: cluster.expect(n, "joined", timeout=120) for n in "ab"}
+    assert {j["world"] for j in joined.values()} == {2}
+    # gloo binds to and advertises the given host: each listens on its own address, and one
+    # connects to the address the other advertised (which one is gloo's choice).
+    cluster.send(["a", "b"], "sockets")
+    ends = {n: cluster.expect(n, "sockets") for n in "ab"}
+    assert hosts["a"] in ends["a"]["local"] and hosts["b"] in ends["b"]["local"], ends
+    assert hosts["b"] in ends["a"]["remote"] or hosts["a"] in ends["b"]["remote"], ends
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")

@@ -127,6 +127,21 @@ def test_sigstop_straggler_is_released_evicted_and_rejoins(children, coordinator
     cluster, _ = _form(children, coordinator, names)
     value = {n: float(i + 1) for i, n in enumerate(names)}
     survivors = ["a", "b", "c"]
+
+    # A peer that is alive (heartbeating) but never joins the collective: only the deadline
+    # releases the others, and the next sync point gives everyone a fresh group.
+    for n in survivors:
+        cluster.send(n, "allreduce", value=value[n], timeout=2.0)
+    for n in survivors:
+        assert cluster.get(n, BOUND + 30)[0] == "deadline"
+    cluster.send(names, "reinit")
+    fresh = {n: cluster.expect(n, "reinit", timeout=BOUND + 30) for n in names}
+    assert all(r["changed"] and r["world"] == 4 for r in fresh.values()), fresh
+    assert len({r["epoch"] for r in fresh.values()}) == 1
+    got = _allreduce(cluster, value)
+    assert all(kind == "ok" and kw["mean"] == 2.5 for kind, kw in got.values()), got
+
+    # SIGSTOP "d" in the middle of an all-reduce: a straggler only the heartbeats reveal.
     for n in survivors:
         cluster.send(n, "allreduce", value=value[n], n=1 << 20)
     time.sleep(0.3)

@@ -13,8 +13,7 @@ import logging
 import queue
 import socket
 import threading
-
-import torch.distributed as dist
+from typing import Any
 
 from prime_mesh.errors import MeshAuthError
 from prime_mesh.membership import Membership, Node, Refused
@@ -81,7 +80,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
-        self._store: dist.TCPStore | None = None
+        self._store: Any = None  # torch.distributed.TCPStore, the gloo rendezvous
         self._threads: list[threading.Thread] = []
         self._conns: set[_Conn] = set()
 
@@ -109,6 +108,8 @@ class Coordinator:
             ) from None
         sock.listen(128)
         self._sock = sock
+        import torch.distributed as dist  # here, so a busy port or a bad token fails before torch loads
+
         self._store = dist.TCPStore(
             self.host,
             self._store_port,
@@ -198,10 +199,10 @@ class Coordinator:
         except MeshAuthError as e:
             log.warning("refused message from %s: %s", peer, e)
             conn.send({"type": "error", "error": f"refused: {e}"})
-        except (OSError, ConnectionError):
+        except (OSError, ConnectionError, Refused):
             pass
-        except Refused:
-            pass
+        except Exception:  # a bug or malformed fields from an authenticated peer: drop only it
+            log.exception("closing the connection from %s after an error", peer)
         finally:
             self._conns.discard(conn)
             if node is not None:

@@ -84,7 +84,10 @@ class Membership:
                 f"config hash {metadata.get('config_hash')!r} differs from the run's "
                 f"{run.metadata.get('config_hash')!r}: start this node with the run's config"
             )
-        hb = float(min(max(msg.get("heartbeat_timeout", 5.0), 0.1), 3600.0))
+        hb = msg.get("heartbeat_timeout", 5.0)
+        if not isinstance(hb, int | float):
+            raise Refused("malformed registration (heartbeat_timeout)")
+        hb = float(min(max(hb, 0.1), 3600.0))
         node = self.nodes.get(key)
         if node is None:
             self._seq += 1

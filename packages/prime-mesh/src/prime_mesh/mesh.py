@@ -15,7 +15,7 @@ from torch.distributed import ProcessGroupGloo
 
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.deadline import CollectiveDeadline
-from prime_mesh.errors import MeshClosed, MeshError, MeshEvicted
+from prime_mesh.errors import CoordinatorLost, MeshClosed, MeshError, MeshEvicted
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.wire import resolve_token
 
@@ -115,14 +115,21 @@ class ElasticDeviceMesh:
             self._client.start_heartbeats()
             self.node_id: str = reply["node_id"]
             store_host = reply["store"][0] or self._client.coordinator_host
-            self._store = dist.TCPStore(
-                store_host,
-                int(reply["store"][1]),
-                None,
-                False,
-                timeout=datetime.timedelta(seconds=pg_timeout),
-                wait_for_workers=False,
-            )
+            try:
+                self._store = dist.TCPStore(
+                    store_host,
+                    int(reply["store"][1]),
+                    None,
+                    False,
+                    timeout=datetime.timedelta(seconds=connect_timeout),
+                    wait_for_workers=False,
+                )
+            except (RuntimeError, OSError) as e:
+                raise CoordinatorLost(
+                    f"cannot reach the coordinator's rendezvous store at {store_host}:{reply['store'][1]} "
+                    f"({e}); open that port too, or start the coordinator with --advertise-host"
+                ) from None
+            self._store.set_timeout(datetime.timedelta(seconds=pg_timeout))
             if reply.get("epoch"):
                 self._on_message({"type": "epoch", "epoch": reply["epoch"]})
             log.info(
