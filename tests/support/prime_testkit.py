@@ -8,6 +8,9 @@ fixture on teardown) SIGKILLs every group and reaps it.
 from __future__ import annotations
 
 import ctypes
+import importlib
+import importlib.util
+import inspect
 import multiprocessing as mp
 import os
 import signal
@@ -42,10 +45,33 @@ def _child_preexec() -> None:
     die_with_parent()
 
 
-def _mp_entry(target: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _target_spec(target: Callable[..., Any]) -> tuple[str, str, str]:
+    # Test modules are imported with --import-mode=importlib under names a spawned child cannot
+    # import, so the child loads the target's file itself.
+    return (target.__module__, inspect.getfile(target), target.__qualname__)
+
+
+def _load_target(spec: tuple[str, str, str]) -> Callable[..., Any]:
+    module_name, path, qualname = spec
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module
+            loader_spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _mp_entry(spec: tuple[str, str, str], args: tuple, kwargs: dict) -> None:
     os.setpgid(0, 0)
     die_with_parent()
-    target(*args, **kwargs)
+    _load_target(spec)(*args, **kwargs)
 
 
 class Children:
@@ -67,13 +93,19 @@ class Children:
         return self.popen([sys.executable, *code_or_args], **kwargs)
 
     def process(self, target: Callable[..., Any], *args: Any, **kwargs: Any):
-        """Start `target(*args, **kwargs)` in a spawned multiprocessing child."""
-        p = self._ctx.Process(target=_mp_entry, args=(target, args, kwargs), daemon=True)
+        """Start `target(*args, **kwargs)` in a spawned multiprocessing child.
+
+        `target` may be a function defined in a test file: the child imports it by file path.
+        """
+        spec = _target_spec(target)
+        p = self._ctx.Process(target=_mp_entry, args=(spec, args, kwargs), daemon=True)
         p.start()
         self.procs.append(p)
         return p
 
     def queue(self):
+        """A spawn-context queue. Send plain data or numpy arrays, not tensors: torch shares a
+        tensor's storage by file descriptor, which is gone once the sending child exits."""
         return self._ctx.Queue()
 
     def kill_all(self) -> None:
