@@ -23,6 +23,7 @@ MANIFEST_NAME = "manifest.msgpack"
 LEASE_DIR = ".leases"
 _STEP_RE = re.compile(r"^step-(\d{10})$")
 _CHUNK = 8 << 20
+_TRAILER = b"PCK1"
 
 
 class ManifestError(ValueError):
@@ -64,7 +65,8 @@ class Manifest:
     format: int = FORMAT_VERSION
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
+        """msgpack body followed by a SHA-256 trailer, so a flipped byte anywhere is caught."""
+        body = msgpack.packb(
             {
                 "format": self.format,
                 "step": self.step,
@@ -76,11 +78,15 @@ class Manifest:
             },
             use_bin_type=True,
         )
+        return body + _TRAILER + hashlib.sha256(body).digest()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
+        body, tag, check = data[:-36], data[-36:-32], data[-32:]
+        if len(data) < 36 or tag != _TRAILER or hashlib.sha256(body).digest() != check:
+            raise ManifestError("manifest checksum mismatch (corrupted or truncated manifest)")
         try:
-            d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            d = msgpack.unpackb(body, raw=False, strict_map_key=False)
             if d["format"] != FORMAT_VERSION:
                 raise ManifestError(
                     f"manifest format {d['format']} is not supported (this prime-ckpt reads "
@@ -164,3 +170,23 @@ def is_leased(root: str | Path, step: int) -> bool:
         return float(lease_path(root, step).read_text()) > time.time()
     except (FileNotFoundError, ValueError):
         return False
+
+
+def data_name(rank: int) -> str:
+    """Raw tensor bytes of one rank's shard."""
+    return f"rank-{rank:05d}.bin"
+
+
+def meta_name(rank: int) -> str:
+    """msgpack skeleton and tensor table of one rank's shard."""
+    return f"rank-{rank:05d}.meta"
+
+
+def committed_steps(root: str | Path) -> list[int]:
+    """Steps with a committed folder under `root` (not verified), oldest first."""
+    try:
+        names = [p.name for p in Path(root).iterdir()]
+    except FileNotFoundError:
+        return []
+    steps = [s for n in names if (s := parse_step_dirname(n)) is not None]
+    return sorted(s for s in steps if (Path(root) / step_dirname(s) / MANIFEST_NAME).is_file())

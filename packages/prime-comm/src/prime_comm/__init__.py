@@ -1,6 +1,31 @@
 """prime_comm: uint8 quantization kernels and a compressed all-reduce over torch.distributed."""
 
-from prime_comm import _kernels
+from prime_comm.allreduce import AllReduceStats, all_reduce
+from prime_comm.errors import CollectiveAborted
+from prime_comm.quant import (
+    BLOCK,
+    LEVELS,
+    QuantizedTensor,
+    dequantize,
+    dequantize_add_,
+    encoded_nbytes,
+    get_num_threads,
+    quantize,
+    set_num_threads,
+)
 
-__all__ = ["_kernels"]
+__all__ = [
+    "BLOCK",
+    "LEVELS",
+    "AllReduceStats",
+    "CollectiveAborted",
+    "QuantizedTensor",
+    "all_reduce",
+    "dequantize",
+    "dequantize_add_",
+    "encoded_nbytes",
+    "get_num_threads",
+    "quantize",
+    "set_num_threads",
+]
 __version__ = "0.1.0"

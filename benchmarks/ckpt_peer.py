@@ -1,0 +1,240 @@
+"""Peer-transfer throughput on loopback vs a raw socket copy of the same bytes, same run.
+
+    uv run python benchmarks/ckpt_peer.py [--size-mb 256] [--files 4] [--connections 1 4 8]
+
+Builds a checkpoint of random bytes, then copies it donor -> joiner three ways, each into a
+fresh folder and each ending with the files fsynced:
+- raw: one TCP connection, the donor `sendfile`s every file, the receiver writes them; no
+  HTTP, no authentication, no checksums. The ceiling for this machine.
+- raw+sha: the same, then SHA-256 of every received file (what any verified copy must add).
+- peer N: `fetch_from_peer` with N connections (HMAC-signed Range requests, SHA-256 of every
+  file, journal, atomic commit).
+Prints the best of `--repeat` runs per mode and its ratio to raw and raw+sha. Loopback has no
+bandwidth limit, so this measures the CPU cost of the transfer path, the thing peer transfer adds.
+
+With `--wan-mbit R` (root; the WAN bed of tests/support/prime_netbed.py) it also runs donor
+and joiner in two network namespaces joined by `tc tbf` links of R Mbit/s, as separate
+processes (`python -m prime_ckpt.peer serve/fetch`), and reports the fraction of the link rate
+reached with each connection count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from prime_ckpt.manifest import FileEntry, Manifest, sha256_file, step_dirname
+from prime_ckpt.peer import fetch_from_peer, serve_directory
+
+TOKEN = "benchmark-token"
+
+
+def build_checkpoint(root: Path, size_mb: int, files: int) -> tuple[Path, list[Path]]:
+    d = root / "donor" / step_dirname(1)
+    d.mkdir(parents=True)
+    per = size_mb * (1 << 20) // files
+    block = os.urandom(1 << 20)
+    paths = []
+    for i in range(files):
+        p = d / f"shard{i}.bin"
+        with open(p, "wb") as f:
+            for j in range(per >> 20):
+                f.write(block[j % 7 :] + block[: j % 7])  # distinct blocks, cheap to make
+        paths.append(p)
+    m = Manifest(step=1, files={p.name: FileEntry(p.stat().st_size, sha256_file(p)) for p in paths})
+    (d / "manifest.msgpack").write_bytes(m.to_bytes())
+    return root / "donor", paths
+
+
+def raw_copy(paths: list[Path], dest: Path, verify: bool = False) -> float:
+    """The baseline: length-prefixed sendfile over one loopback TCP connection."""
+    dest.mkdir(parents=True)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def donor() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            for p in paths:
+                with open(p, "rb") as f:
+                    conn.sendall(struct.pack("!Q", p.stat().st_size))
+                    conn.sendfile(f)
+
+    t = threading.Thread(target=donor, daemon=True)
+    t0 = time.perf_counter()
+    t.start()
+    buf = memoryview(bytearray(1 << 20))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for p in paths:
+            header = s.recv(8, socket.MSG_WAITALL)
+            left = struct.unpack("!Q", header)[0]
+            with open(dest / p.name, "wb") as out:
+                while left:
+                    n = s.recv_into(buf, min(len(buf), left))
+                    if not n:
+                        raise ConnectionError("raw donor closed early")
+                    out.write(buf[:n])
+                    left -= n
+                out.flush()
+                os.fsync(out.fileno())
+    if verify:  # what any verified transfer must add: hash what arrived
+        for p in paths:
+            sha256_file(dest / p.name)
+    dt = time.perf_counter() - t0
+    t.join(timeout=30)
+    listener.close()
+    return dt
+
+
+def wan_runs(donor_dir: Path, scratch: Path, size: int, args) -> dict[int, float]:
+    """Best fetch time per connection count between two rate-limited namespaces."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    from prime_netbed import WanBed, bed_unavailable_reason
+
+    reason = bed_unavailable_reason()
+    if reason:
+        print(f"skipping the WAN runs: {reason}")
+        return {}
+    env = dict(os.environ, PRIME_TOKEN=TOKEN)
+    best: dict[int, float] = {}
+    with WanBed(2, rate_mbit=args.wan_mbit) as bed:
+        cmd = [
+            sys.executable,
+            "-m",
+            "prime_ckpt.peer",
+            "serve",
+            str(donor_dir),
+            "--host",
+            "0.0.0.0",
+            "--advertise-host",
+            bed.ip(0),
+        ]
+        donor = subprocess.Popen(bed.exec_prefix(0) + cmd, stdout=subprocess.PIPE, env=env)
+        try:
+            url = donor.stdout.readline().decode().strip()
+            for r in range(args.repeat):
+                for conns in args.connections:
+                    dest = scratch / f"wan-{conns}-{r}"
+                    t0 = time.perf_counter()
+                    subprocess.run(
+                        bed.exec_prefix(1)
+                        + [
+                            sys.executable,
+                            "-m",
+                            "prime_ckpt.peer",
+                            "fetch",
+                            url,
+                            "--dest",
+                            str(dest),
+                            "--connections",
+                            str(conns),
+                        ],
+                        env=env,
+                        check=True,
+                        timeout=600,
+                        capture_output=True,
+                    )
+                    dt = time.perf_counter() - t0
+                    shutil.rmtree(dest)
+                    best[conns] = min(best.get(conns, float("inf")), dt)
+                    link = args.wan_mbit * 1e6 / 8
+                    print(
+                        f"  run {r + 1}/{args.repeat} wan x{conns}: {dt:6.2f}s "
+                        f"{size / dt / 1e6:8.1f} MB/s ({size / dt / link:.2f} of the link)",
+                        flush=True,
+                    )
+        finally:
+            donor.terminate()
+            donor.wait(timeout=30)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--size-mb", type=int, default=256, help="checkpoint size (default 256)")
+    ap.add_argument("--files", type=int, default=4, help="number of files (default 4)")
+    ap.add_argument("--connections", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--repeat", type=int, default=3, help="runs per mode; the best is kept")
+    ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument(
+        "--wan-mbit",
+        type=float,
+        default=None,
+        help="also fetch across two namespaces with links of this rate (root)",
+    )
+    args = ap.parse_args()
+
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt_peer_", dir=args.dir))
+    try:
+        print(
+            f"building a {args.size_mb} MB checkpoint in {args.files} files under {scratch} ...",
+            flush=True,
+        )
+        donor_dir, paths = build_checkpoint(scratch, args.size_mb, args.files)
+        size = sum(p.stat().st_size for p in paths)
+        results: dict[str, float] = {}
+        with serve_directory(donor_dir, "127.0.0.1", token=TOKEN) as server:
+            t0 = time.perf_counter()
+            fetch_from_peer(server.url, scratch / "warm", token=TOKEN)  # donor hashes once
+            print(f"donor's first verification + warm-up fetch: {time.perf_counter() - t0:.2f}s")
+            shutil.rmtree(scratch / "warm")
+            for r in range(args.repeat):
+                modes = [("raw", None), ("raw+sha", 0)]
+                modes += [(f"peer x{c}", c) for c in args.connections]
+                for name, conns in modes:
+                    dest = scratch / f"dest-{name.replace(' ', '')}-{r}"
+                    if not conns:
+                        dt = raw_copy(paths, dest, verify=conns == 0)
+                    else:
+                        t0 = time.perf_counter()
+                        fetch_from_peer(server.url, dest, token=TOKEN, connections=conns)
+                        dt = time.perf_counter() - t0
+                    shutil.rmtree(dest)
+                    results[name] = min(results.get(name, float("inf")), dt)
+                    print(
+                        f"  run {r + 1}/{args.repeat} {name:>9}: {dt:6.2f}s "
+                        f"{size / dt / 1e6:8.1f} MB/s",
+                        flush=True,
+                    )
+        raw, raw_sha = results["raw"], results["raw+sha"]
+        print(
+            f"\nloopback, {size / 1e6:.0f} MB in {args.files} files, best of {args.repeat}, "
+            f"{os.cpu_count()} CPUs"
+        )
+        print(f"{'mode':>9} {'seconds':>8} {'MB/s':>8} {'vs raw':>7} {'vs raw+sha':>10}")
+        for name, dt in results.items():
+            print(
+                f"{name:>9} {dt:8.2f} {size / dt / 1e6:8.1f} {raw / dt:7.2f} {raw_sha / dt:10.2f}"
+            )
+        if args.wan_mbit:
+            print(
+                f"\nWAN bed: donor and joiner in two namespaces, tbf {args.wan_mbit:g} Mbit/s "
+                "links, separate processes (the time includes interpreter start-up)"
+            )
+            wan = wan_runs(donor_dir, scratch, size, args)
+            link = args.wan_mbit * 1e6 / 8
+            if wan:
+                print(f"{'mode':>9} {'seconds':>8} {'MB/s':>8} {'of link':>8}")
+            for conns, dt in wan.items():
+                print(
+                    f"{'wan x' + str(conns):>9} {dt:8.2f} {size / dt / 1e6:8.1f} "
+                    f"{size / dt / link:8.2f}"
+                )
+        return 0
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""How long does a checkpoint stall training? prime-ckpt vs torch.save and DCP async_save.
+
+    uv run python benchmarks/ckpt_save.py                # ~1 GiB state (the reported figure)
+    uv run python benchmarks/ckpt_save.py --size-mib 64  # quick run
+
+All figures are measured in the same run, on the same state and the same disk folder:
+- blocking time of `CheckpointManager.save()` (median of saves 3..10, each started after the
+  previous one is durable) as a ratio of `torch.save` + fsync (bar 0.1x, goal 0.05x); the
+  first save (buffers allocated, pages faulted in) is reported separately;
+- the same for `torch.distributed.checkpoint.async_save` (what a user would pick instead);
+- staging rate (bytes / blocking time) vs a torch `copy_` of the same bytes into RAM;
+- time until durable on disk (save() until wait() returns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def make_state(total_bytes: int, n_tensors: int = 64) -> dict:
+    per = max(1, total_bytes // n_tensors // 4)
+    model = {f"layer{i}.weight": torch.randn(per) for i in range(n_tensors // 2)}
+    optim = {
+        i: {"exp_avg": torch.randn(per), "step": torch.tensor(10.0)} for i in range(n_tensors // 2)
+    }
+    return {"model": model, "optim": {"state": optim}, "progress": {"step": 10, "tokens": 12345}}
+
+
+def nbytes(state) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(nbytes(v) for v in state.values())
+    return 0
+
+
+def tensors(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from tensors(v)
+
+
+def torch_save_fsync(state, path: Path) -> float:
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def copy_rate(state) -> float:
+    """Seconds for torch copy_ of every tensor into preallocated RAM (best of 3)."""
+    dst = [torch.empty_like(t) for t in tensors(state)]
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for d, s in zip(dst, tensors(state), strict=True):
+            d.copy_(s)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_prime(state, root: Path, saves: int) -> dict:
+    from prime_ckpt import CheckpointManager
+
+    mgr = CheckpointManager(root / "prime", shm_dir=root / "prime-shm")
+    blocking, durable = [], []
+    try:
+        for step in range(1, saves + 1):
+            next(iter(tensors(state))).add_(1)  # training moved on
+            t0 = time.perf_counter()
+            h = mgr.save(step, state)
+            t1 = time.perf_counter()
+            h.wait()
+            t2 = time.perf_counter()
+            blocking.append(t1 - t0)
+            durable.append(t2 - t0)
+            print(
+                f"  prime-ckpt save {step}: blocking {t1 - t0:.3f}s, durable after {t2 - t0:.2f}s",
+                flush=True,
+            )
+    finally:
+        mgr.close()
+    return {"blocking": blocking, "durable": durable}
+
+
+def bench_dcp(state, root: Path, saves: int) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():
+        port = 29500 + os.getpid() % 1000
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    blocking, durable = [], []
+    for step in range(1, saves + 1):
+        next(iter(tensors(state))).add_(1)
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=str(root / f"dcp-{step % 2}"))
+        t1 = time.perf_counter()
+        fut.result()
+        t2 = time.perf_counter()
+        blocking.append(t1 - t0)
+        durable.append(t2 - t0)
+        print(
+            f"  dcp.async_save {step}: blocking {t1 - t0:.3f}s, done after {t2 - t0:.2f}s",
+            flush=True,
+        )
+    return {"blocking": blocking, "durable": durable}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--size-mib", type=float, default=1024, help="state size (default 1024 = 1 GiB)")
+    p.add_argument("--dir", default=None, help="disk folder to write to (default: a temp folder)")
+    p.add_argument("--saves", type=int, default=10)
+    p.add_argument("--dcp-saves", type=int, default=5)
+    a = p.parse_args()
+    if a.saves < 3:
+        p.error("--saves must be at least 3 (the median is over saves 3..N)")
+    warnings.filterwarnings("ignore")
+    root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=a.dir))
+    try:
+        state = make_state(int(a.size_mib * 2**20))
+        size = nbytes(state)
+        print(
+            f"state: {size / 2**30:.3f} GiB in {sum(1 for _ in tensors(state))} tensors; disk folder {root}"
+        )
+
+        print("torch.save + fsync (baseline):", flush=True)
+        base = []
+        for i in range(3):
+            base.append(torch_save_fsync(state, root / "torch.pt"))
+            print(f"  torch.save {i + 1}: {base[-1]:.2f}s", flush=True)
+        base_s = statistics.median(base)
+        copy_s = copy_rate(state)
+
+        print("prime-ckpt:", flush=True)
+        pr = bench_prime(state, root, a.saves)
+        print("torch.distributed.checkpoint.async_save:", flush=True)
+        dc = bench_dcp(state, root, a.dcp_saves)
+
+        steady = statistics.median(pr["blocking"][2:])
+        dcp_steady = statistics.median(dc["blocking"][2:] or dc["blocking"])
+        gib = size / 2**30
+        print("\n== summary ==")
+        print(f"state size                          {gib:.3f} GiB")
+        print(f"torch.save + fsync                  {base_s:.3f} s (1.00x)")
+        print(
+            f"prime-ckpt save() blocking, saves 3..{a.saves} median "
+            f"{steady:.3f} s = {steady / base_s:.3f}x torch.save (bar 0.1x, goal 0.05x)"
+        )
+        print(
+            f"prime-ckpt first save() blocking    {pr['blocking'][0]:.3f} s = {pr['blocking'][0] / base_s:.3f}x"
+        )
+        print(
+            f"dcp.async_save blocking (median)    {dcp_steady:.3f} s = {dcp_steady / base_s:.3f}x "
+            f"(prime-ckpt is {dcp_steady / steady:.1f}x shorter)"
+        )
+        print(
+            f"staging rate                        {gib / steady:.2f} GiB/s vs torch copy_ "
+            f"{gib / copy_s:.2f} GiB/s ({copy_s / steady:.2f}x of copy_)"
+        )
+        print(
+            f"prime-ckpt time until durable       {statistics.median(pr['durable']):.2f} s "
+            f"(median) = {statistics.median(pr['durable']) / base_s:.2f}x torch.save"
+        )
+        print(
+            f"dcp.async_save time until done      {statistics.median(dc['durable']):.2f} s (median)"
+        )
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Live peer transfer: a joining node downloads the newest checkpoint from running donors.
+
+server = serve_directory(disk_dir, "127.0.0.1", token=...)   # on a donor
+step = fetch_from_peer([server.url], dest, token=...)         # on the joiner
+"""
+
+from prime_ckpt.peer.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneError
+from prime_ckpt.peer.fetch import fetch_from_peer
+from prime_ckpt.peer.server import PeerServer, serve_directory
+
+__all__ = [
+    "NoPeerError",
+    "PeerAuthError",
+    "PeerError",
+    "PeerGoneError",
+    "PeerServer",
+    "fetch_from_peer",
+    "serve_directory",
+]

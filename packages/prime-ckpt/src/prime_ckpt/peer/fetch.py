@@ -1,0 +1,238 @@
+"""The joining side: pick the newest checkpoint the donors offer, download it, commit it.
+
+The download goes into `dest/.peer-step-<step>-<digest prefix>.partial/` (a name that no
+checkpoint reader treats as committed), which is kept when a transfer fails so that a rerun
+resumes it. Once every file matches its SHA-256 the folder is fsynced and renamed to
+`dest/step-<step>/`, so `CheckpointManager(disk_dir=dest)` sees either nothing or all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from prime_ckpt.manifest import (
+    MANIFEST_NAME,
+    ManifestError,
+    read_manifest,
+    sha256_file,
+    step_dirname,
+    verify_dir,
+)
+from prime_ckpt.peer.auth import resolve_token
+from prime_ckpt.peer.client import Connection, Offer, PeerBusy, PeerFailed, normalize_url
+from prime_ckpt.peer.errors import NoPeerError, PeerAuthError, PeerError
+from prime_ckpt.peer.transfer import JOURNAL, Download
+
+log = logging.getLogger("prime_ckpt.peer")
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+_PARTIAL_RE = re.compile(r"^\.peer-step-(\d{10})-[0-9a-f]{16}\.partial$")
+
+
+def partial_dirname(step: int, digest: str) -> str:
+    return f".peer-{step_dirname(step)}-{digest[:16]}.partial"
+
+
+def ask_donors(urls: list[str], token: bytes, timeout: float) -> list[Offer]:
+    """Every reachable donor's offer; NoPeerError / PeerAuthError when there is none."""
+
+    def ask(url: str) -> Offer | Exception:
+        conn = Connection(url, token, timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    return conn.index()
+                except PeerBusy as e:  # verifying a fresh checkpoint: worth waiting for
+                    if time.monotonic() + 0.5 > deadline:
+                        return e
+                    time.sleep(0.5)
+                except (PeerFailed, PeerError) as e:
+                    return e
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(len(urls), thread_name_prefix="prime-ckpt-index") as pool:
+        answers = list(pool.map(ask, urls))
+    offers = [a for a in answers if isinstance(a, Offer)]
+    for url, a in zip(urls, answers, strict=True):
+        if not isinstance(a, Offer) and offers:
+            log.warning("donor %s skipped: %s", url, a)
+    if offers:
+        return offers
+    auth = [a for a in answers if isinstance(a, PeerAuthError)]
+    if auth:
+        raise PeerAuthError("; ".join(map(str, auth)))
+    reasons = "\n  ".join(f"{u}: {a}" for u, a in zip(urls, answers, strict=True))
+    raise NoPeerError(
+        f"no peer could offer a checkpoint (tried {len(urls)}):\n  {reasons}\ncheck that the "
+        "donors are running (server.url) and reachable from this machine"
+    )
+
+
+def choose(offers: list[Offer]) -> tuple[Offer, list[str]]:
+    """The newest step; among donors of that step, the digest most of them offer (ties: the
+    first in the given order). Returns that offer and every URL offering the same digest."""
+    newest = max(o.step for o in offers)
+    same_step = [o for o in offers if o.step == newest]
+    counts = Counter(o.digest for o in same_step)
+    best = max(same_step, key=lambda o: (counts[o.digest], -same_step.index(o)))
+    if len(counts) > 1:
+        log.warning(
+            "donors disagree on step %d (%d digests); taking %s... offered by %d",
+            newest,
+            len(counts),
+            best.digest[:16],
+            counts[best.digest],
+        )
+    return best, [o.url for o in same_step if o.digest == best.digest]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _already_have(target: Path, offer: Offer) -> bool:
+    """True if `target` already holds this exact checkpoint; refuses to overwrite another."""
+    if not target.exists():
+        return False
+    try:
+        same = read_manifest(target).digest() == offer.digest
+    except ManifestError:
+        same = False
+    problems = verify_dir(target, offer.manifest) if same else []
+    if same and not problems:
+        return True
+    what = f"fails its checksums ({problems[0]})" if same else "holds another checkpoint"
+    raise PeerError(
+        f"{target} already exists and {what}, while the donors offer digest "
+        f"{offer.digest[:16]}...; refusing to overwrite it: move it away or fetch into another dest"
+    )
+
+
+def _drop_stale_partials(dest: Path, step: int) -> None:
+    """Partial downloads of this or older steps can no longer be useful once `step` is in."""
+    for p in dest.iterdir():
+        m = _PARTIAL_RE.match(p.name)
+        if m and int(m.group(1)) <= step:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _verify(folder: Path, offer: Offer, workers: int, checked: dict[str, bool]) -> set[str]:
+    """Files that fail their SHA-256; those already hashed (in `checked`) are not read again,
+    and the others are added to it."""
+    names = sorted(set(offer.manifest.files) - set(checked))
+
+    def bad(name: str) -> bool:
+        return sha256_file(folder / name) != offer.manifest.files[name].sha256
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="prime-ckpt-verify") as pool:
+        checked.update(zip(names, (not b for b in pool.map(bad, names)), strict=True))
+    return {n for n, ok in checked.items() if not ok}
+
+
+def fetch_from_peer(
+    urls: str | Sequence[str],
+    dest: str | Path,
+    token: str | bytes | None = None,
+    connections: int = 4,
+    timeout: float = 20.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> int:
+    """Download the newest checkpoint the donors at `urls` offer into `dest`; returns its step.
+
+    Parallel Range requests over `connections` connections, every file checked against its
+    SHA-256, resumable after a crash, failing over only to donors of the same manifest digest.
+    `timeout` bounds every connect and read; `token` defaults to $PRIME_TOKEN.
+    """
+    key = resolve_token(token)
+    if isinstance(urls, str):
+        urls = [urls]
+    urls = list(dict.fromkeys(normalize_url(u) for u in urls))
+    if not urls:
+        raise ValueError("fetch_from_peer needs at least one donor URL (a server's .url)")
+    if not isinstance(connections, int) or not isinstance(chunk_bytes, int):
+        raise ValueError("connections and chunk_bytes must be ints")
+    if connections < 1 or timeout <= 0 or chunk_bytes < 1:
+        raise ValueError("connections and chunk_bytes must be >= 1 and timeout > 0")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+
+    offer, donors = choose(ask_donors(urls, key, timeout))
+    if {MANIFEST_NAME, JOURNAL} & set(offer.manifest.files):
+        raise PeerError(f"the manifest offered by {donors} lists reserved file names; refused")
+    target = dest / step_dirname(offer.step)
+    if _already_have(target, offer):
+        log.info("%s already holds step %d; nothing to fetch", dest, offer.step)
+        return offer.step
+    folder = dest / partial_dirname(offer.step, offer.digest)
+    folder.mkdir(exist_ok=True)
+    (folder / MANIFEST_NAME).write_bytes(offer.manifest_bytes)
+    size = sum(e.size for e in offer.manifest.files.values())
+    log.info(
+        "fetching step %d (%.1f MB, %d files) from %d donor(s)",
+        offer.step,
+        size / 1e6,
+        len(offer.manifest.files),
+        len(donors),
+    )
+    t0 = time.monotonic()
+    download = Download(
+        folder, offer.manifest, offer.digest, donors, key, connections, timeout, chunk_bytes
+    )
+    try:
+        for attempt in range(2):
+            download.run()
+            bad = _verify(folder, offer, connections, download.checked)
+            if not bad:
+                break
+            if attempt:
+                raise PeerError(
+                    f"{sorted(bad)[:3]} failed their checksum twice after download; the donors "
+                    f"serve corrupt files (partial download kept in {folder})"
+                )
+            log.warning("%d file(s) failed their checksum; fetching them again", len(bad))
+            download.journal.forget(bad)
+            for name in bad:
+                del download.checked[name]
+                (folder / name).unlink()
+    except OSError as e:
+        raise PeerError(f"cannot write the checkpoint into {folder}: {e}") from e
+
+    (folder / JOURNAL).unlink(missing_ok=True)
+    for name in offer.manifest.files:  # resumed files too: an earlier run never synced them
+        fd = os.open(folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for d in {(folder / n).parent for n in offer.manifest.files} | {folder}:
+        _fsync_dir(d)
+    if _already_have(target, offer):  # another fetcher committed it meanwhile
+        shutil.rmtree(folder, ignore_errors=True)
+        return offer.step
+    os.rename(folder, target)
+    _fsync_dir(dest)
+    _drop_stale_partials(dest, offer.step)
+    dt = time.monotonic() - t0
+    log.info(
+        "fetched step %d into %s: %.1f MB new in %.1fs (%.1f MB/s)",
+        offer.step,
+        target,
+        download.fetched / 1e6,
+        dt,
+        download.fetched / 1e6 / max(dt, 1e-9),
+    )
+    return offer.step

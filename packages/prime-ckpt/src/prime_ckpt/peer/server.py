@@ -1,0 +1,322 @@
+"""The donor side: an HTTP server (standard library) that hands out the newest checkpoint.
+
+Routes (all GET, all authenticated, see `auth`):
+- `/v1/index`: msgpack {"step", "digest", "manifest"} of the newest committed step that
+  verifies, re-evaluated on every call; the response is signed back with the run token.
+- `/v1/ckpt/<step>/<digest>/<file>`: bytes of one file of that exact checkpoint, with Range
+  support. A step that was pruned, or whose manifest no longer has that digest, is a 410.
+
+Every index or file request writes or renews a lease on the step (`manifest.write_lease`), so
+the donor's CheckpointManager does not prune a step while a peer is downloading it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+import msgpack
+
+from prime_ckpt.peer.auth import H_RESP_AUTH, AuthFailure, Verifier, resolve_token, sign_response
+from prime_ckpt.peer.catalog import Busy, Catalog, Gone, Refused
+
+log = logging.getLogger("prime_ckpt.peer")
+
+_WILDCARD = {"", "0.0.0.0", "::"}
+_FILE_RE = re.compile(r"^/v1/ckpt/(\d{1,10})/([0-9a-f]{64})/(.+)$")
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_PIECE = 256 << 10
+
+
+class _RateLimit:
+    """A token bucket shared by all connections (keeps a donor's uplink usable for training)."""
+
+    def __init__(self, bytes_per_s: float, closing: threading.Event) -> None:
+        self.rate = float(bytes_per_s)
+        self._closing = closing
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + n / self.rate
+            wait = start - now
+        if wait > 0 and self._closing.wait(wait):
+            raise ConnectionAbortedError("server closing")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "prime-ckpt-peer/1"
+    timeout = 60  # an idle keep-alive connection is dropped after this
+    server: _HTTPServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.track(self.connection, False)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _text(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        body = (message + "\n").encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _refuse_method(self) -> None:
+        self._text(405, f"{self.command} is not supported by a prime-ckpt donor; use GET")
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _refuse_method
+
+    def do_GET(self) -> None:
+        peer: PeerServer = self.server.peer
+        try:
+            nonce = peer._verifier.check("GET", self.path, self.headers)
+        except AuthFailure as e:
+            log.warning("refused %s from %s: %s", self.path, self.client_address[0], e)
+            return self._text(e.status, str(e))
+        try:
+            if self.path == "/v1/index":
+                return self._index(peer, nonce)
+            m = _FILE_RE.match(self.path)
+            if not m:
+                return self._text(404, f"no such route {self.path!r}")
+            step, digest, name = int(m.group(1)), m.group(2), unquote(m.group(3))
+            path, size = peer.catalog.resolve(step, digest, name)
+            peer.catalog.hold(step)  # renew the lease while the transfer goes on
+            self._send_file(peer, path, size)
+        except Gone as e:
+            self._text(410, str(e))
+        except Refused as e:
+            log.warning("refused %s from %s: %s", self.path, self.client_address[0], e)
+            self._text(e.status, str(e))
+
+    def _index(self, peer: PeerServer, nonce: str) -> None:
+        try:
+            offer = peer.catalog.newest(peer.index_budget_s)
+        except Busy as e:
+            return self._text(503, str(e), {"Retry-After": "1"})
+        if offer is None:
+            return self._text(404, f"no committed checkpoint that verifies in {peer.disk_dir}")
+        peer.catalog.hold(offer.step)
+        body = msgpack.packb(
+            {"step": offer.step, "digest": offer.digest, "manifest": offer.manifest_bytes},
+            use_bin_type=True,
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/msgpack")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header(H_RESP_AUTH, sign_response(peer._token, nonce, body))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _send_file(self, peer: PeerServer, path: Path, size: int) -> None:
+        rng = self.headers.get("Range")
+        start, end = 0, size  # end exclusive
+        if rng:
+            m = _RANGE_RE.match(rng.strip())
+            if not m or (not m.group(1) and not m.group(2)):
+                return self._text(416, f"unsupported Range {rng!r}; use bytes=START-END")
+            if m.group(1):
+                start = int(m.group(1))
+                end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+            else:  # suffix range: the last N bytes
+                start = max(0, size - int(m.group(2)))
+            if start >= end:
+                return self._text(
+                    416,
+                    f"Range {rng!r} outside a {size}-byte file",
+                    {"Content-Range": f"bytes */{size}"},
+                )
+        with open(path, "rb") as f:
+            if f.seek(0, 2) != size:
+                raise Gone(f"{path.name} changed size on this donor; start a new transfer")
+            self.send_response(206 if rng else 200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(end - start))
+            if rng:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            self.end_headers()
+            self._copy(peer, f, start, end - start)
+
+    def _copy(self, peer: PeerServer, f, offset: int, count: int) -> None:
+        if peer._limit is None:
+            sent = self.connection.sendfile(f, offset, count) if count else 0
+            peer._count(sent)
+            if sent != count:  # the file shrank: close, rather than leave the reader waiting
+                raise ConnectionAbortedError("file shrank while being served")
+            return
+        f.seek(offset)
+        while count > 0:
+            piece = f.read(min(_PIECE, count))
+            if not piece:
+                raise ConnectionAbortedError("file shrank while being served")
+            peer._limit.take(len(piece))
+            self.connection.sendall(piece)
+            peer._count(len(piece))
+            count -= len(piece)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = False  # so that close() joins every handler thread
+    block_on_close = True
+    peer: PeerServer
+
+    def __init__(self, addr, handler) -> None:
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._dropped = False
+        super().__init__(addr, handler)
+
+    def handle_error(self, request, client_address) -> None:
+        # A fetcher that went away mid-file is routine for a donor, not a traceback.
+        log.debug("connection from %s ended with an error", client_address, exc_info=True)
+
+    def track(self, conn: socket.socket, add: bool) -> None:
+        with self._conns_lock:
+            (self._conns.add if add else self._conns.discard)(conn)
+            dropped = self._dropped
+        if add and dropped:  # accepted just as close() ran: end it rather than wait it out
+            self._shut(conn)
+
+    def drop_connections(self) -> None:
+        with self._conns_lock:
+            self._dropped = True
+            conns = list(self._conns)
+        for c in conns:
+            self._shut(c)
+
+    @staticmethod
+    def _shut(c: socket.socket) -> None:
+        try:
+            c.shutdown(socket.SHUT_RDWR)  # wakes handler threads blocked in recv/send
+        except OSError:
+            pass
+
+
+class _HTTPServer6(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
+class PeerServer:
+    """A running donor. Use `serve_directory` to start one; `.url` for fetchers; `.close()`."""
+
+    def __init__(
+        self,
+        disk_dir: str | Path,
+        host: str,
+        port: int = 0,
+        token: str | bytes | None = None,
+        advertise_host: str | None = None,
+        max_bytes_per_s: float | None = None,
+        lease_s: float = 120.0,
+    ) -> None:
+        self._token = resolve_token(token)
+        self.disk_dir = Path(disk_dir)
+        if not self.disk_dir.is_dir():
+            raise FileNotFoundError(
+                f"checkpoint folder {self.disk_dir} does not exist; pass the disk_dir of a "
+                "CheckpointManager that has saved at least once"
+            )
+        if host in _WILDCARD and not advertise_host:
+            raise ValueError(
+                f"serving on {host or 'all interfaces'!r} needs advertise_host=... (the address "
+                "peers use to reach this machine), since peers cannot connect to a wildcard"
+            )
+        if max_bytes_per_s is not None and max_bytes_per_s <= 0:
+            raise ValueError(f"max_bytes_per_s must be positive or None, got {max_bytes_per_s}")
+        self.catalog = Catalog(self.disk_dir, lease_s)
+        self.index_budget_s = 5.0  # how long an index request waits for a verification
+        self._verifier = Verifier(self._token)
+        self._closing = threading.Event()
+        self._limit = _RateLimit(max_bytes_per_s, self._closing) if max_bytes_per_s else None
+        self._sent = 0
+        self._sent_lock = threading.Lock()
+        cls = _HTTPServer6 if ":" in host else _HTTPServer
+        try:
+            self._httpd = cls((host, port), _Handler)
+        except OSError as e:
+            self.catalog.close()
+            raise OSError(f"cannot serve checkpoints on {host}:{port}: {e}") from e
+        try:
+            self.catalog.newest(0.0)  # start verifying the newest step before anyone asks
+        except Busy:
+            pass
+        self._httpd.peer = self
+        self.port = self._httpd.server_address[1]
+        shown = advertise_host or host
+        self.url = (
+            f"http://[{shown}]:{self.port}" if ":" in shown else f"http://{shown}:{self.port}"
+        )
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name=f"prime-ckpt-peer:{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        log.info("serving checkpoints of %s at %s", self.disk_dir, self.url)
+
+    @property
+    def bytes_sent(self) -> int:
+        """File bytes sent so far (all connections)."""
+        return self._sent
+
+    def _count(self, n: int) -> None:
+        with self._sent_lock:
+            self._sent += n
+
+    def close(self) -> None:
+        """Stop accepting, cut open transfers, and join every thread (idempotent)."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self._httpd.shutdown()
+        self._thread.join(timeout=10)
+        self.catalog.close()  # first, so that no handler still waits on a verification
+        self._httpd.drop_connections()
+        self._httpd.server_close()  # joins the handler threads
+
+    def __enter__(self) -> PeerServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PeerServer({str(self.disk_dir)!r}, url={self.url!r})"
+
+
+def serve_directory(
+    disk_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | bytes | None = None,
+    advertise_host: str | None = None,
+    max_bytes_per_s: float | None = None,
+) -> PeerServer:
+    """Share the newest committed checkpoint under `disk_dir` with joining peers.
+
+    `token` defaults to $PRIME_TOKEN. Serving on a wildcard address (0.0.0.0, ::) needs
+    `advertise_host`, the address put in `.url`. `max_bytes_per_s` caps the upload rate.
+    """
+    return PeerServer(disk_dir, host, port, token, advertise_host, max_bytes_per_s)

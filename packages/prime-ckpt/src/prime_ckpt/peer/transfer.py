@@ -1,0 +1,339 @@
+"""Parallel, resumable download of one pinned checkpoint into a partial folder.
+
+Files are cut into chunks fetched with Range requests by `connections` worker threads, each
+on its own keep-alive connection, spread over the donors that offer the pinned digest. A
+chunk is recorded in the folder's journal (`.progress`) once its bytes are written, so a rerun
+after a crash only fetches what is missing; the final SHA-256 check catches anything the
+journal claims but the disk lost. A donor that fails twice in a row, or answers 410, is
+dropped and its chunks go to the remaining donors; when none is left the transfer fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_ckpt.manifest import Manifest
+from prime_ckpt.peer.client import Connection, PeerFailed, PeerGone
+from prime_ckpt.peer.errors import PeerAuthError, PeerError, PeerGoneError
+
+log = logging.getLogger("prime_ckpt.peer")
+
+JOURNAL = ".progress"
+_STRIKES = 2  # consecutive failures before a donor is dropped
+
+
+@dataclass
+class _Chunk:
+    name: str
+    start: int
+    end: int
+    tries: int = 0
+
+
+class _Todo:
+    """Chunks waiting for a worker. A deque under a lock, polled: a blocking
+    `queue.SimpleQueue.get(timeout=...)` was seen to hang past its timeout on CPython 3.11
+    while a child process was being stopped (SIGSTOP), so no timed queue wait is used."""
+
+    def __init__(self) -> None:
+        self._items: deque[_Chunk] = deque()
+        self._lock = threading.Lock()
+
+    def put(self, chunk: _Chunk) -> None:
+        with self._lock:
+            self._items.append(chunk)
+
+    def take(self) -> _Chunk | None:
+        with self._lock:
+            return self._items.popleft() if self._items else None
+
+
+class Journal:
+    """Append-only record of finished byte ranges, one 'start<TAB>end<TAB>name' line each.
+    Ranges rather than chunk numbers, so a rerun with another chunk size still resumes."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / JOURNAL
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+
+    def load(self) -> dict[str, list[tuple[int, int]]]:
+        """File name -> finished [start, end) ranges."""
+        done: dict[str, list[tuple[int, int]]] = {}
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return done
+        for line in text.split("\n")[:-1]:  # a torn last line has no newline: refetched
+            start, _, rest = line.partition("\t")
+            end, _, name = rest.partition("\t")
+            if start.isdigit() and end.isdigit() and name:
+                done.setdefault(name, []).append((int(start), int(end)))
+        return done
+
+    @staticmethod
+    def covers(done: dict[str, list[tuple[int, int]]], name: str, start: int, end: int) -> bool:
+        return any(s <= start and end <= e for s, e in done.get(name, ()))
+
+    def mark(self, name: str, start: int, end: int) -> None:
+        with self._lock:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.write(self._fd, f"{start}\t{end}\t{name}\n".encode())
+
+    def forget(self, names: set[str]) -> None:
+        """Drop every record of `names` (their files failed the checksum)."""
+        self.close()
+        keep = [
+            f"{s}\t{e}\t{n}\n"
+            for n, ranges in sorted(self.load().items())
+            if n not in names
+            for s, e in ranges
+        ]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(self.path)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+class _Hashes:
+    """SHA-256 of each file computed from the bytes as they arrive, as long as its chunks come
+    in order (always with one connection); whatever did not is read back from disk at the end.
+    A worker claims a file's stream for one chunk and hashes into a copy of the state, which
+    replaces it only if the chunk completes, so a failed chunk leaves no trace."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, list] = {}  # name -> [bytes hashed, hasher, claimed]
+        self._lock = threading.Lock()
+
+    def claim(self, name: str, start: int):
+        with self._lock:
+            st = self._files.setdefault(name, [0, hashlib.sha256(), False])
+            if st[2] or st[0] != start:
+                return None
+            st[2] = True
+            return st[1].copy()
+
+    def release(self, name: str, hasher, end: int | None) -> None:
+        with self._lock:
+            st = self._files[name]
+            st[2] = False
+            if end is not None:
+                st[0], st[1] = end, hasher
+
+    def finish(self, name: str, path: Path) -> str:
+        with self._lock:
+            upto, hasher, _ = self._files.pop(name, None) or [0, hashlib.sha256(), False]
+        with open(path, "rb") as f:
+            f.seek(upto)
+            while chunk := f.read(8 << 20):
+                hasher.update(chunk)
+        return hasher.hexdigest()
+
+
+class _Donors:
+    """The donors of the pinned digest that are still usable, and why others were dropped."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self._alive = list(urls)
+        self._strikes = dict.fromkeys(urls, 0)
+        self.dropped: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def pick(self, slot: int, current: str | None) -> str | None:
+        with self._lock:
+            if current in self._alive:
+                return current
+            return self._alive[slot % len(self._alive)] if self._alive else None
+
+    def ok(self, url: str) -> None:
+        self._strikes[url] = 0
+
+    def fail(self, url: str, reason: str, fatal: bool = False) -> None:
+        with self._lock:
+            self._strikes[url] = self._strikes.get(url, 0) + 1
+            if (fatal or self._strikes[url] >= _STRIKES) and url in self._alive:
+                self._alive.remove(url)
+                self.dropped[url] = reason
+                log.warning("dropped donor %s: %s (%d left)", url, reason, len(self._alive))
+
+    def empty(self) -> bool:
+        with self._lock:
+            return not self._alive
+
+
+class Download:
+    """Fetch the missing chunks of `manifest` into `folder` from `urls` (same digest)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        digest: str,
+        urls: list[str],
+        token: bytes,
+        connections: int,
+        timeout: float,
+        chunk_bytes: int,
+    ) -> None:
+        self.folder, self.manifest, self.digest = folder, manifest, digest
+        self.token, self.connections, self.timeout = token, connections, timeout
+        self.chunk_bytes = chunk_bytes
+        self.donors = _Donors(urls)
+        self.journal = Journal(folder)
+        self.fetched = 0  # bytes downloaded by this run (not counting resumed ones)
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._remaining = 0
+        self._pending: dict[str, int] = {}  # file -> chunks still to fetch in this run
+        self.checked: dict[str, bool] = {}  # file -> matched its SHA-256 (hashed right away)
+        self._hashes = _Hashes()
+
+    def _open_files(self) -> dict[str, int]:
+        fds = {}
+        for name, entry in self.manifest.files.items():
+            p = self.folder / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+            if os.fstat(fd).st_size != entry.size:
+                os.ftruncate(fd, entry.size)
+            fds[name] = fd
+        return fds
+
+    def run(self) -> None:
+        """Download everything the journal does not list; raises PeerError on failure."""
+        done = self.journal.load()
+        todo = _Todo()
+        total = 0
+        for name, entry in sorted(self.manifest.files.items()):
+            for start in range(0, entry.size, self.chunk_bytes):
+                end = min(entry.size, start + self.chunk_bytes)
+                if not Journal.covers(done, name, start, end):
+                    todo.put(_Chunk(name, start, end))
+                    self._remaining += 1
+                    self._pending[name] = self._pending.get(name, 0) + 1
+                    total += end - start
+        if not self._remaining:
+            return
+        fds = self._open_files()
+        try:
+            workers = [
+                threading.Thread(
+                    target=self._work,
+                    args=(i, todo, fds),
+                    daemon=True,
+                    name=f"prime-ckpt-fetch-{i}",
+                )
+                for i in range(min(self.connections, self._remaining))
+            ]
+            for w in workers:
+                w.start()
+            self._watch(workers, total)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            self.journal.close()
+        if self._error is not None:
+            raise self._error
+        if self._remaining:
+            reasons = "; ".join(f"{u}: {r}" for u, r in self.donors.dropped.items())
+            raise PeerGoneError(
+                f"no donor of step {self.manifest.step} (digest {self.digest[:16]}...) is left "
+                f"({reasons}); what was downloaded is kept in {self.folder} and a rerun resumes it"
+            )
+
+    def _watch(self, workers: list[threading.Thread], total: int) -> None:
+        t0 = last = time.monotonic()
+        while any(w.is_alive() for w in workers):
+            time.sleep(0.05)
+            if time.monotonic() - last >= 2.0:
+                last = time.monotonic()
+                mb = self.fetched / 1e6
+                log.info(
+                    "fetching step %d: %.1f / %.1f MB (%.1f MB/s)",
+                    self.manifest.step,
+                    mb,
+                    total / 1e6,
+                    mb / max(1e-9, last - t0),
+                )
+
+    def _finished(self) -> bool:
+        return self._remaining == 0 or self._error is not None or self.donors.empty()
+
+    def _work(self, slot: int, todo: _Todo, fds: dict[str, int]) -> None:
+        conn: Connection | None = None
+        max_tries = 2 * _STRIKES * len(self.donors._strikes) + 2
+        try:
+            while not self._finished():
+                chunk = todo.take()
+                if chunk is None:  # all taken; one may come back if its donor fails
+                    time.sleep(0.02)
+                    continue
+                url = self.donors.pick(slot, conn.url if conn else None)
+                if url is None:
+                    todo.put(chunk)
+                    return
+                if conn is None or conn.url != url:
+                    if conn is not None:
+                        conn.close()
+                    conn = Connection(url, self.token, self.timeout)
+                chunk.tries += 1
+                hasher = self._hashes.claim(chunk.name, chunk.start)
+                try:
+                    n = conn.read_range(
+                        self.manifest.step,
+                        self.digest,
+                        chunk.name,
+                        chunk.start,
+                        chunk.end,
+                        fds[chunk.name],
+                        hasher.update if hasher else None,
+                    )
+                except PeerGone as e:
+                    self._hashes.release(chunk.name, hasher, None)
+                    self.donors.fail(url, str(e), fatal=True)
+                    todo.put(chunk)
+                    continue
+                except PeerFailed as e:
+                    self._hashes.release(chunk.name, hasher, None)
+                    self.donors.fail(url, str(e))
+                    if chunk.tries >= max_tries:
+                        raise PeerError(
+                            f"{chunk.name}: gave up after {chunk.tries} tries: {e}"
+                        ) from e
+                    todo.put(chunk)
+                    continue
+                self._hashes.release(chunk.name, hasher, chunk.end if hasher else None)
+                self.donors.ok(url)
+                self.journal.mark(chunk.name, chunk.start, chunk.end)
+                with self._lock:
+                    self.fetched += n
+                    self._remaining -= 1
+                    self._pending[chunk.name] -= 1
+                    complete = self._pending[chunk.name] == 0
+                if complete:  # finish the hash now, while other workers keep the network busy
+                    entry = self.manifest.files[chunk.name]
+                    digest = self._hashes.finish(chunk.name, self.folder / chunk.name)
+                    self.checked[chunk.name] = digest == entry.sha256
+        except (PeerAuthError, PeerError, OSError) as e:
+            with self._lock:
+                self._error = self._error or e
+        except Exception as e:  # a bug must end the transfer, never leave a chunk orphaned
+            log.exception("fetch worker %d failed", slot)
+            with self._lock:
+                self._error = self._error or PeerError(f"internal error in a fetch worker: {e!r}")
+        finally:
+            if conn is not None:
+                conn.close()

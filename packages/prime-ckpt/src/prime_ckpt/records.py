@@ -1,0 +1,90 @@
+"""What the manager hands back: save handles, checkpoint listings, retention settings."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prime_ckpt.manifest import Manifest, verify_dir
+from prime_ckpt.reader import CheckpointError, Source
+
+DEFAULT_KEEP: dict[str, int | None] = {"ram": 2, "disk": 3, "remote": None}
+
+
+class CheckpointWarning(UserWarning):
+    """A background save failed; older checkpoints are intact."""
+
+
+class SaveHandle:
+    """What `save()` returns: the step, and a way to wait until it is durable on disk."""
+
+    def __init__(self, step: int, on_report: Any = None) -> None:
+        self.step = step
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._on_report = on_report
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is committed on disk; CheckpointError if that failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"step {self.step} not durable after {timeout}s")
+        if self.error:
+            if self._on_report:
+                self._on_report(self.step)
+            raise CheckpointError(self.error)
+
+
+@dataclass
+class CheckpointInfo:
+    """One copy of one checkpoint, as `list()` reports it."""
+
+    step: int
+    tier: str  # "ram" or "disk"
+    path: str | None
+    size: int
+    status: str  # "ok", "corrupt" or "failed"
+    verified: bool | None = None  # None: not checked
+    detail: str = ""
+
+
+def _parse_keep(keep: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
+    out = dict(DEFAULT_KEEP)
+    if isinstance(keep, int):
+        out["disk"] = keep
+    elif isinstance(keep, Mapping):
+        unknown = set(keep) - {"ram", "disk", "remote"}
+        if unknown:
+            raise ValueError(f"keep: unknown tiers {sorted(unknown)}; use ram, disk, remote")
+        out.update(keep)
+    elif keep is not None:
+        raise TypeError(f"keep must be an int or a dict of tier -> count, got {keep!r}")
+    if out["ram"] not in (1, 2):
+        raise ValueError(f"keep['ram'] must be 1 or 2 (two staging buffers), got {out['ram']}")
+    if out.get("remote") is not None and out["remote"] < 1:
+        raise ValueError(
+            f"keep['remote'] must be None (keep all) or at least 1, got {out['remote']}"
+        )
+    if out["disk"] < 1:
+        raise ValueError(f"keep['disk'] must be at least 1, got {out['disk']}")
+    return out
+
+
+def _info(
+    step: int, tier: str, path: Path, verify: bool, m: Manifest | None = None
+) -> CheckpointInfo:
+    try:
+        m = m or Source.open(tier, path).manifest
+    except CheckpointError as e:
+        return CheckpointInfo(step, tier, str(path), 0, "corrupt", False, str(e))
+    size = sum(f.size for f in m.files.values())
+    if not verify:
+        return CheckpointInfo(step, tier, str(path), size, "ok")
+    problems = verify_dir(path, m)
+    status = "corrupt" if problems else "ok"
+    return CheckpointInfo(step, tier, str(path), size, status, not problems, "; ".join(problems))

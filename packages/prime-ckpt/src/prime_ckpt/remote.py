@@ -1,0 +1,274 @@
+"""The remote tier: committed disk checkpoints copied to any fsspec URL in the background.
+
+Object stores cannot rename, so a step's data files are uploaded first and its manifest last:
+the manifest marks the commit. A step prefix without a manifest is torn and is removed by the
+uploader; a step whose files fail the manifest is skipped by loads. Files may be compressed
+with zstd (recorded in the remote manifest); checksums are always of the uncompressed bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import zstandard
+
+from prime_ckpt.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    parse_step_dirname,
+    read_manifest,
+    step_dirname,
+)
+from prime_ckpt.reader import CorruptCheckpoint
+
+log = logging.getLogger("prime_ckpt")
+_CHUNK = 8 << 20
+
+
+class RemoteStore:
+    """List, upload, download and delete checkpoints under one fsspec URL."""
+
+    def __init__(
+        self, url: str, options: Mapping[str, Any] | None = None, compression: str | None = None
+    ) -> None:
+        if compression not in (None, "zstd"):
+            raise ValueError(f"remote compression must be None or 'zstd', got {compression!r}")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **dict(options or {}))
+        except ImportError as e:
+            raise ImportError(
+                f"remote {url!r} needs an fsspec backend that is not installed: {e} "
+                "(for s3:// install prime-ckpt[s3])"
+            ) from None
+        except ValueError as e:
+            raise ValueError(f"remote {url!r} is not a usable fsspec URL: {e}") from None
+        self.url = url
+        self.root = self.root.rstrip("/")
+        self.compression = compression
+        self._local = "file" in _protocols(self.fs)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def _names(self) -> list[str]:
+        self.fs.invalidate_cache()
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def step_prefixes(self) -> list[int]:
+        """Every step with something uploaded, committed or torn."""
+        return sorted(s for n in self._names() if (s := parse_step_dirname(n)) is not None)
+
+    def steps(self) -> list[int]:
+        """Committed steps (manifest present), newest first."""
+        return [
+            s
+            for s in reversed(self.step_prefixes())
+            if self.fs.exists(self.path(step_dirname(s), MANIFEST_NAME))
+        ]
+
+    def manifest(self, step: int) -> Manifest:
+        try:
+            data = self.fs.cat_file(self.path(step_dirname(step), MANIFEST_NAME))
+        except FileNotFoundError as e:
+            raise ManifestError(f"{self.url}/{step_dirname(step)}: no manifest (torn)") from e
+        return Manifest.from_bytes(data)
+
+    def upload(self, local: Path, retry: Callable[[Callable[[], None], str], None]) -> Manifest:
+        """Upload a committed local step: data files, then the manifest."""
+        m = read_manifest(local)
+        prefix = step_dirname(m.step)
+        for name in sorted(m.files):
+            retry(lambda n=name: self._put(local / n, self.path(prefix, n)), name)
+        remote = Manifest(
+            m.step, m.files, m.world_size, dict(m.extra, compression=self.compression), m.user
+        )
+        remote.created = m.created
+        data = remote.to_bytes()
+        retry(lambda: self.fs.pipe_file(self.path(prefix, MANIFEST_NAME), data), MANIFEST_NAME)
+        return remote
+
+    def _put(self, src: Path, dst: str) -> None:
+        if self._local:
+            self.fs.makedirs(dst.rsplit("/", 1)[0], exist_ok=True)
+        with open(src, "rb") as f, self.fs.open(dst, "wb") as out:
+            if self.compression == "zstd":
+                w = zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False)
+                while chunk := f.read(_CHUNK):
+                    w.write(chunk)
+                w.flush(zstandard.FLUSH_FRAME)
+            else:
+                shutil.copyfileobj(f, out, _CHUNK)
+
+    def download(self, step: int, dest: Path) -> Manifest:
+        """Download and verify one committed step into `dest` (a local folder)."""
+        try:
+            m = self.manifest(step)
+        except ManifestError as e:
+            raise CorruptCheckpoint(str(e)) from None
+        dest.mkdir(parents=True, exist_ok=True)
+        prefix = step_dirname(step)
+        compressed = m.extra.get("compression") == "zstd"
+        for name, entry in m.files.items():
+            h = hashlib.sha256()
+            size = 0
+            try:
+                with (
+                    self.fs.open(self.path(prefix, name), "rb") as f,
+                    open(dest / name, "wb") as out,
+                ):
+                    src = zstandard.ZstdDecompressor().stream_reader(f) if compressed else f
+                    while chunk := src.read(_CHUNK):
+                        h.update(chunk)
+                        size += len(chunk)
+                        out.write(chunk)
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{self.url}/{prefix}/{name}: missing") from None
+            except zstandard.ZstdError as e:
+                raise CorruptCheckpoint(f"{self.url}/{prefix}/{name}: bad zstd data: {e}") from None
+            if size != entry.size or h.hexdigest() != entry.sha256:
+                raise CorruptCheckpoint(
+                    f"{self.url}/{prefix}/{name}: checksum mismatch (corrupted)"
+                )
+        local = Manifest(m.step, m.files, m.world_size, {"layout": 1}, m.user)
+        local.created = m.created
+        (dest / MANIFEST_NAME).write_bytes(local.to_bytes())
+        return m
+
+    def delete(self, step: int) -> None:
+        """Uncommit first (manifest), then remove the files."""
+        prefix = self.path(step_dirname(step))
+        try:
+            self.fs.rm_file(self.path(step_dirname(step), MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(prefix, recursive=True)
+        except FileNotFoundError:
+            pass
+
+
+def _protocols(fs: Any) -> set[str]:
+    p = fs.protocol
+    return {p} if isinstance(p, str) else set(p)
+
+
+class Uploader:
+    """One background thread uploading the newest committed step; never blocks `save()`."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        disk_dir: Path,
+        keep: int | None,
+        pins: set[int],
+        retries: int = 5,
+        backoff: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.disk_dir = disk_dir
+        self.keep = keep
+        self.retries = retries
+        self.backoff = backoff
+        self.pins = pins  # steps the disk pruner must keep while they wait or upload
+        self.skipped: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self._pending: int | None = None
+        self._busy: int | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="prime-ckpt-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        with self._cond:
+            if self._pending is not None:
+                # remote fell behind: only the newest committed step is uploaded
+                self.skipped.add(self._pending)
+                self.pins.discard(self._pending)
+            self.pins.add(step)
+            self._pending = step
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return self._pending is None and self._busy is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is pending or uploading; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._busy is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        self.wait(timeout)
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def _retry(self, fn: Callable[[], None], what: str) -> None:
+        for attempt in range(self.retries + 1):
+            try:
+                fn()
+                return
+            except Exception as e:  # network, credentials, full bucket: retry, then give up
+                if attempt == self.retries:
+                    raise
+                delay = min(self.backoff * 2**attempt, 30.0)
+                log.warning(
+                    "prime-ckpt: upload of %s failed (%s); retrying in %.1fs", what, e, delay
+                )
+                time.sleep(delay)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stop:
+                    self._cond.wait()
+                if self._stop and self._pending is None:
+                    return
+                step, self._pending, self._busy = self._pending, None, self._pending
+            try:
+                self.store.upload(self.disk_dir / step_dirname(step), self._retry)
+                self.failed.pop(step, None)
+                self._tidy(step)
+            except Exception as e:
+                msg = f"upload of step {step} to {self.store.url} failed: {e}; older remote copies are kept"
+                log.error("prime-ckpt: %s", msg)
+                self.failed[step] = msg
+            finally:
+                with self._cond:
+                    self._busy = None
+                    self.pins.discard(step)
+                    self._cond.notify_all()
+
+    def _tidy(self, just_uploaded: int) -> None:
+        """Remove torn prefixes (our own failed uploads) and steps beyond `keep`."""
+        try:
+            committed = self.store.steps()
+            for s in self.store.step_prefixes():
+                if s not in committed:
+                    self.store.delete(s)
+            if self.keep:
+                for s in committed[self.keep :]:
+                    self.store.delete(s)
+        except Exception as e:  # tidying is best effort; the upload itself succeeded
+            log.warning("prime-ckpt: could not tidy %s: %s", self.store.url, e)

@@ -1,0 +1,145 @@
+"""The RAM tier: two staging slots in shared memory, allocated once and reused.
+
+Each slot is a folder under `shm_dir` holding one rank's shard in the same files as on disk
+(`rank-N.bin`, `rank-N.meta`) and, once the background copy has hashed it, a manifest. A slot
+is invalidated (manifest removed) before it is overwritten, so a crash mid-copy leaves the
+other slot, the previous checkpoint, loadable by the next process on the same machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import msgpack
+import torch
+
+from prime_ckpt.faults import fault
+from prime_ckpt.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    data_name,
+    meta_name,
+    read_manifest,
+)
+from prime_ckpt.state import TensorItem, dtype_from_name
+
+OWNER = "owner.msgpack"
+PREFIX = "prime-ckpt-"
+
+
+def default_shm_dir(disk_dir: Path, rank: int) -> Path:
+    """A RAM folder derived from the disk folder and rank, so a restarted process finds it."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    digest = hashlib.sha256(str(disk_dir.resolve()).encode()).hexdigest()[:16]
+    return root / f"{PREFIX}{digest}-r{rank}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Remove RAM folders of dead runs whose disk folder no longer exists."""
+    removed = []
+    for d in root.glob(f"{PREFIX}*"):
+        try:
+            owner = msgpack.unpackb((d / OWNER).read_bytes())
+            if not _pid_alive(int(owner["pid"])) and not Path(owner["disk_dir"]).exists():
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+        except Exception:  # not ours or half-written: leave it alone
+            continue
+    return removed
+
+
+class Stager:
+    """Copies a rank's tensors into one of two shared-memory slots."""
+
+    def __init__(self, shm_dir: Path, disk_dir: Path, rank: int) -> None:
+        self.dir = shm_dir
+        self.rank = rank
+        self.slots = [shm_dir / "slot-0", shm_dir / "slot-1"]
+        for s in self.slots:
+            s.mkdir(parents=True, exist_ok=True)
+        owner = msgpack.packb({"pid": os.getpid(), "disk_dir": str(disk_dir.resolve())})
+        (shm_dir / OWNER).write_bytes(owner)
+        self._buffers: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def committed(self) -> list[tuple[int, int]]:
+        """(step, slot index) of slots holding a RAM copy marked good, newest first."""
+        out = []
+        for i, s in enumerate(self.slots):
+            try:
+                out.append((read_manifest(s).step, i))
+            except ManifestError:
+                continue
+        return sorted(out, reverse=True)
+
+    def _pick(self) -> int:
+        held = self.committed()
+        if not held:
+            return 0
+        return 1 - held[0][1]  # never overwrite the newest good copy
+
+    def _buffer(self, i: int, total: int) -> torch.Tensor:
+        path = self.slots[i] / data_name(self.rank)
+        cached = self._buffers.get(i)
+        if cached and cached[0] == total and path.is_file():
+            return cached[1]
+        self._buffers.pop(i, None)
+        path.unlink(missing_ok=True)  # a fresh inode: old mappings stay valid until dropped
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if total:
+                # reserves tmpfs pages now: a full /dev/shm is an OSError here, not a SIGBUS later
+                os.posix_fallocate(fd, 0, total)
+        finally:
+            os.close(fd)
+        if total:
+            buf = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        else:
+            buf = torch.empty(0, dtype=torch.uint8)
+        self._buffers[i] = (total, buf)
+        return buf
+
+    def stage(self, step: int, items: list[TensorItem], total: int, meta: bytes) -> int:
+        """Copy the tensors into a free slot; returns the slot index."""
+        i = self._pick()
+        slot = self.slots[i]
+        (slot / MANIFEST_NAME).unlink(missing_ok=True)
+        buf = self._buffer(i, total)
+        half = len(items) // 2
+        with torch.no_grad():
+            for n, it in enumerate(items):
+                if n == half:
+                    fault("stage", step)
+                if not it.write or not it.nbytes:
+                    continue
+                dst = buf[it.offset : it.offset + it.nbytes].view(dtype_from_name(it.dtype))
+                dst.view(it.shape).copy_(it.tensor)
+        (slot / meta_name(self.rank)).write_bytes(meta)
+        return i
+
+    def commit(self, i: int, manifest: Manifest) -> None:
+        """Mark slot `i` good (its files hashed into `manifest`)."""
+        tmp = self.slots[i] / (MANIFEST_NAME + ".tmp")
+        tmp.write_bytes(manifest.to_bytes())
+        tmp.replace(self.slots[i] / MANIFEST_NAME)
+
+    def invalidate(self, i: int) -> None:
+        (self.slots[i] / MANIFEST_NAME).unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        self._buffers.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)

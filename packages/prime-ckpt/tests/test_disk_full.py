@@ -1,0 +1,65 @@
+"""A full disk fails the background copy, keeps every older checkpoint, and the run goes on."""
+
+import os
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from prime_ckpt import CheckpointError, CheckpointManager, CheckpointWarning
+from prime_ckpt.faults import ENV
+from prime_ckpt.manifest import verify_dir
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A 1 MiB tmpfs when we may mount one (root), else ENOSPC injected past the first save."""
+    d = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
+    d.mkdir()
+    mounted = os.geteuid() == 0 and (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)]).returncode == 0
+    )
+    if not mounted:
+        monkeypatch.setenv(ENV, "enospc@2,3")
+    try:
+        yield d
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def vec(n_kib: int, value: float) -> dict:
+    return {"w": torch.full((n_kib * 256,), value), "step_value": value}
+
+
+def test_disk_full_keeps_older_checkpoints(small_disk, tmp_path):
+    disk = small_disk / "ckpt"
+    with CheckpointManager(disk, shm_dir=tmp_path / "shm") as mgr:
+        mgr.save(1, vec(300, 1.0)).wait(60)
+        h2 = mgr.save(2, vec(800, 2.0))  # 300 KiB + 800 KiB does not fit in 1 MiB
+        with pytest.raises(CheckpointError, match="No space left on device") as e:
+            h2.wait(60)
+        assert "older checkpoints are intact" in str(e.value)
+        assert verify_dir(disk / "step-0000000001") == []
+        assert not [p for p in disk.iterdir() if p.name.startswith(".tmp")], "space not freed"
+        listed = [(c.step, c.tier, c.status) for c in mgr.list()]
+        assert (2, "disk", "failed") in listed and (1, "disk", "ok") in listed
+        assert (2, "ram", "ok") in listed  # the RAM copy of step 2 is still good
+        # a failure not waited on is reported at the next save(), which still works
+        mgr.save(3, vec(800, 3.0))
+        with pytest.warns(CheckpointWarning, match="step 3 was not saved to disk"):
+            mgr.save(4, vec(200, 4.0)).wait(60)
+        assert [c.step for c in mgr.list() if c.tier == "disk" and c.status == "ok"] == [4, 1]
+        mgr.wait(60)  # everything was reported already
+    target = vec(200, 0.0)
+    with CheckpointManager(disk, shm_dir=tmp_path / "fresh-shm") as mgr:
+        assert mgr.load_latest(target) == 4
+    assert target["step_value"] == 4.0
+
+
+def test_unwritable_disk_dir_is_a_clear_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="cannot create checkpoint folder"):
+        CheckpointManager(f / "ckpt", shm_dir=tmp_path / "shm")

@@ -1,0 +1,201 @@
+"""The remote tier on file://, memory:// and S3 (moto's real server on 127.0.0.1 via s3fs)."""
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from prime_ckpt import CheckpointManager, CheckpointWarning
+from prime_ckpt.remote import RemoteStore
+from prime_testkit import free_port, wait_until
+
+MOTO = Path(sys.executable).with_name("moto_server")
+
+
+@pytest.fixture
+def s3(children):
+    """A moto S3 server on a free loopback port, and one fresh bucket."""
+    port = free_port()
+    children.popen(
+        [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    import s3fs
+
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+
+    def up() -> bool:
+        try:
+            s3fs.S3FileSystem(skip_instance_cache=True, **options).ls("")
+            return True
+        except Exception:
+            return False
+
+    wait_until(up, timeout=60, what="moto server")
+    bucket = f"b{uuid.uuid4().hex[:8]}"
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/run", options
+
+
+def st(step: int) -> dict:
+    return {"w": torch.full((300, 100), float(step)), "meta": {"step": step, "name": "run"}}
+
+
+def empty() -> dict:
+    return {"w": torch.zeros(300, 100), "meta": {"step": -1, "name": ""}}
+
+
+def roundtrip(tmp_path: Path, url: str, options: dict | None, compression: str | None) -> None:
+    a = tmp_path / "node-a"
+    with CheckpointManager(
+        a / "disk",
+        shm_dir=a / "shm",
+        remote=url,
+        remote_options=options,
+        keep={"disk": 1, "remote": 2},
+        remote_compression=compression,
+    ) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, st(s)).wait(60)
+            assert mgr.wait_remote(120)
+        tiers = [(c.step, c.tier, c.status) for c in mgr.list() if c.tier == "remote"]
+        assert tiers == [(3, "remote", "ok"), (2, "remote", "ok")]
+    store = RemoteStore(url, options)
+    assert store.steps() == [3, 2]
+    assert store.manifest(3).extra["compression"] == compression
+
+    # a node with empty local disks restores from remote alone
+    b = tmp_path / "node-b"
+    target = empty()
+    with CheckpointManager(
+        b / "disk", shm_dir=b / "shm", remote=url, remote_options=options
+    ) as mgr:
+        assert mgr.load_latest(target) == 3
+        assert target["meta"]["step"] == 3 and torch.equal(target["w"], st(3)["w"])
+        assert (b / "disk" / "step-0000000003" / "manifest.msgpack").is_file()  # now on disk too
+        assert not [p for p in (b / "disk").iterdir() if p.name.startswith(".tmp")]
+        target = empty()
+        assert mgr.load(2, target) == 2 and target["meta"]["step"] == 2
+
+
+def test_file_remote(tmp_path):
+    roundtrip(tmp_path, f"file://{tmp_path / 'bucket' / 'run'}", None, None)
+
+
+def test_memory_remote_zstd(tmp_path):
+    roundtrip(tmp_path, f"memory://prime-{uuid.uuid4().hex}/run", None, "zstd")
+
+
+def test_s3_remote_torn_corrupt_and_restore(tmp_path, s3):
+    url, options = s3
+    roundtrip(tmp_path, url, options, "zstd")
+    store = RemoteStore(url, options)
+    fs = store.fs
+    # a torn upload (data without manifest) is ignored, and removed by the next upload
+    fs.pipe_file(store.path("step-0000000009", "rank-00000.bin"), b"partial")
+    # a corrupted object: the newest committed step fails its checksum and is skipped
+    fs.pipe_file(store.path("step-0000000003", "rank-00000.bin"), b"garbage")
+    c = tmp_path / "node-c"
+    target = empty()
+    with CheckpointManager(
+        c / "disk", shm_dir=c / "shm", remote=url, remote_options=options
+    ) as mgr:
+        with pytest.warns(CheckpointWarning, match="skipping remote copy of step 3"):
+            assert mgr.load_latest(target) == 2
+        assert target["meta"]["step"] == 2
+        mgr.save(10, st(10)).wait(60)
+        assert mgr.wait_remote(120)
+    assert store.step_prefixes() == [2, 3, 10]  # the torn 9 is gone; keep is "all" here
+    assert store.steps() == [10, 3, 2]
+
+
+def test_uploads_never_block_save_and_skip_to_the_newest(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = RemoteStore.upload
+
+    def gated(self, local, retry):  # the first upload waits until the test opens the gate
+        gate.wait(60)
+        return real(self, local, retry)
+
+    monkeypatch.setattr(RemoteStore, "upload", gated)
+    url = f"memory://prime-{uuid.uuid4().hex}/run"
+    with CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm", remote=url, keep=1) as mgr:
+        for s in range(1, 6):  # each durable on disk while upload 1 is stuck
+            mgr.save(s, st(s)).wait(60)
+        assert not gate.is_set()
+        # steps 1 (uploading) and 5 (pending) are pinned on disk despite keep=1
+        assert [c.step for c in mgr.list() if c.tier == "disk"] == [5, 1]
+        gate.set()
+        assert mgr.wait_remote(120)
+        listed = {(c.step, c.status) for c in mgr.list() if c.tier == "remote"}
+        assert listed == {(5, "ok"), (1, "ok"), (2, "skipped"), (3, "skipped"), (4, "skipped")}
+        mgr.save(6, st(6)).wait(60)
+        assert [c.step for c in mgr.list() if c.tier == "disk"] == [6]  # unpinned, pruned
+
+
+def test_remote_failing_mid_upload_keeps_older_copies(tmp_path, monkeypatch):
+    """Transient errors are retried; a remote that keeps failing mid-upload (a full 1 MiB
+    filesystem) records the failure and never deletes the older remote copy."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs as the full remote")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        flaky = {"left": 1}
+        real = RemoteStore._put
+
+        def put(self, src, dst):
+            if flaky["left"]:
+                flaky["left"] -= 1
+                raise ConnectionError("injected: connection reset")
+            return real(self, src, dst)
+
+        monkeypatch.setattr(RemoteStore, "_put", put)
+        url = f"file://{small / 'run'}"
+        kw = dict(remote=url, remote_retries=2, remote_backoff=0.05)
+        with CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm", **kw) as mgr:
+            mgr.save(1, {"w": torch.ones(100_000)}).wait(60)  # 400 kB, after one retry
+            assert mgr.wait_remote(60) and flaky["left"] == 0
+            mgr.save(2, {"w": torch.ones(200_000) * 2}).wait(60)  # 800 kB: does not fit
+            assert mgr.wait_remote(60)
+            status = {(c.step, c.status) for c in mgr.list() if c.tier == "remote"}
+            assert status == {(1, "ok"), (2, "failed")}, status
+            failed = [c for c in mgr.list() if c.tier == "remote" and c.status == "failed"]
+            assert (
+                "No space left" in failed[0].detail
+                and "older remote copies are kept" in failed[0].detail
+            )
+        store = RemoteStore(url)
+        assert store.steps() == [1]
+        target = {"w": torch.zeros(100_000)}
+        with CheckpointManager(tmp_path / "fresh", shm_dir=tmp_path / "shm2", remote=url) as mgr:
+            assert mgr.load_latest(target) == 1 and torch.equal(target["w"], torch.ones(100_000))
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_bad_remote_url_is_a_clear_error(tmp_path):
+    with pytest.raises((ValueError, ImportError), match="nosuchproto"):
+        CheckpointManager(tmp_path, remote="nosuchproto://x/y")
+    with pytest.raises(ValueError, match="compression"):
+        CheckpointManager(tmp_path, remote="memory://x", remote_compression="lz4")

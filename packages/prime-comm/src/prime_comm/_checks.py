@@ -1,0 +1,37 @@
+"""Input checks shared by the kernels' wrappers and the all-reduce.
+
+The C++ kernels trust the buffers they are given, so everything that could make them read
+out of bounds or produce garbage is rejected here with a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tensor_problem(x: object, what: str = "tensor") -> Exception | None:
+    """Why `x` is not a contiguous float32 CPU tensor (an exception to raise), or None."""
+    if not isinstance(x, torch.Tensor):
+        return TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if type(x).__name__ == "DTensor" or hasattr(x, "_local_tensor"):
+        return TypeError(f"{what} is a DTensor; pass its local shard (x.to_local()) instead")
+    if x.dtype != torch.float32:
+        return TypeError(f"{what} must be float32, got {x.dtype}; convert it with .float()")
+    if x.layout != torch.strided:
+        return ValueError(f"{what} must be a dense (strided) tensor, got layout {x.layout}")
+    if x.device.type != "cpu":
+        return ValueError(
+            f"{what} must be on the CPU, got device {x.device}; move it with .cpu() "
+            "(and copy the result back)"
+        )
+    if not x.is_contiguous():
+        return ValueError(f"{what} must be contiguous; pass x.contiguous() (and copy back)")
+    return None
+
+
+def check_float_tensor(x: object, what: str = "tensor") -> torch.Tensor:
+    """Raise the problem found by `tensor_problem`, else return `x`."""
+    problem = tensor_problem(x, what)
+    if problem is not None:
+        raise problem
+    return x  # type: ignore[return-value]

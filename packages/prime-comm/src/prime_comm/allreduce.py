@@ -1,0 +1,256 @@
+"""A compressed, abortable all-reduce over any torch.distributed process group (gloo, CPU).
+
+uint8 path, per rank r of W: the flat tensor is cut into W chunks, chunk j owned by rank j.
+1. Reduce-scatter by direct exchange (all_to_all): every rank quantizes its slice of chunk j
+   once and sends it to rank j, which adds the W - 1 decoded slices to its own exact values
+   in float32, in rank order (and divides by W for "avg").
+2. All-gather: the owner quantizes its reduced chunk once and those bytes travel unchanged;
+   every rank, the owner included, decodes the same bytes, so all ranks end bit-identical.
+Every input is quantized once and every result once, so the error does not grow with W the
+way a ring that re-quantizes at every hop does. Both phases are pipelined over pieces of the
+chunks (>= 64K elements): quantizing piece k + 1 overlaps the transfer of piece k.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+
+from prime_comm import _kernels, _preflight
+from prime_comm._checks import tensor_problem
+from prime_comm._wait import Waiter, parse_timeout
+
+MIN_PIECE = 1 << 16
+DEFAULT_PIECE = 1 << 18
+_ALIGN = 64  # slots start on cache lines (codebooks are read as float32)
+
+
+@dataclass(frozen=True)
+class AllReduceStats:
+    """What one all_reduce moved and how long it took (this rank's view)."""
+
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    numel: int
+    world_size: int
+    compression: str
+
+    @property
+    def fp32_ring_bytes(self) -> int:
+        """Bytes one rank sends in an ideal float32 ring all-reduce of the same tensor."""
+        w = self.world_size
+        return 0 if w <= 1 else 2 * (w - 1) * 4 * self.numel // w
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | _C10dBackend | None = None,
+    op: str = "avg",
+    compression: str = "uint8",
+    timeout: float | timedelta | None = None,
+    should_abort: Callable[[], bool] | None = None,
+    piece_size: int = DEFAULT_PIECE,
+) -> AllReduceStats:
+    """All-reduce a contiguous float32 CPU tensor in place; every rank ends bit-identical.
+
+    op: "avg" or "sum". compression: "uint8" (blockwise codebooks, ~0.254x the bytes of
+    float32) or "none" (float32 through the group's own all_reduce). timeout (seconds or a
+    timedelta) bounds the whole call; should_abort is polled at least every 0.25 s. Either
+    one ending the call raises CollectiveAborted. piece_size: elements per pipelined piece.
+    """
+    start = time.perf_counter()
+    pg = _resolve_group(group)
+    world, rank = pg.size(), pg.rank()
+    problem: Exception | None = None
+    try:
+        timeout_s = parse_timeout(timeout)
+    except (TypeError, ValueError) as e:
+        problem, timeout_s = e, None
+    if should_abort is not None and not callable(should_abort):
+        problem = problem or TypeError(
+            f"should_abort must be a callable returning bool, got {type(should_abort).__name__}"
+        )
+        should_abort = None
+    waiter = Waiter(timeout_s, should_abort, "all_reduce")
+    waiter.check()
+
+    problem = problem or tensor_problem(tensor, "tensor")
+    if problem is None and tensor.requires_grad:
+        problem = ValueError(
+            "tensor requires grad and all_reduce writes in place; pass tensor.detach() "
+            "(it shares the memory, so the result still lands in tensor)"
+        )
+    op_i = _index(_preflight.OPS, op)
+    comp_i = _index(_preflight.COMPRESSIONS, compression)
+    if op_i < 0:
+        problem = problem or ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    if comp_i < 0:
+        problem = problem or ValueError(
+            f"compression must be 'uint8' or 'none', got {compression!r}"
+        )
+    if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < MIN_PIECE:
+        problem = problem or ValueError(
+            f"piece_size must be an int >= {MIN_PIECE}, got {piece_size!r}"
+        )
+    ok = problem is None
+    numel = tensor.numel() if ok else -1
+    finite = ok and _kernels.all_finite(tensor.data_ptr(), numel)
+    record = _preflight.encode(numel, max(op_i, 0), max(comp_i, 0), finite, _describe(problem))
+    records = _preflight.exchange(pg, world, record, waiter)
+    _preflight.judge(records, rank, problem)
+    sent = received = (world - 1) * _preflight.RECORD_BYTES
+
+    flat = tensor.view(-1)
+    if world > 1 and numel > 0:
+        if compression == "none":
+            s, r = _fp32_all_reduce(pg, flat, world, op, waiter)
+        else:
+            s, r = _Uint8AllReduce(pg, flat, world, rank, op, piece_size, waiter).run()
+        sent, received = sent + s, received + r
+    return AllReduceStats(
+        sent, received, time.perf_counter() - start, max(numel, 0), world, str(compression)
+    )
+
+
+def _resolve_group(group: object) -> dist.ProcessGroup:
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "all_reduce needs a process group: call torch.distributed.init_process_group "
+                "first or pass group="
+            )
+        return dist.distributed_c10d._get_default_group()
+    if not isinstance(group, dist.ProcessGroup | _C10dBackend):
+        raise TypeError(
+            "group must be a torch.distributed ProcessGroup (or a gloo backend such as "
+            f"ProcessGroupGloo) that this rank belongs to, got {type(group).__name__}"
+        )
+    return group
+
+
+def _index(options: tuple[str, ...], value: object) -> int:
+    return options.index(value) if isinstance(value, str) and value in options else -1
+
+
+def _describe(problem: Exception | None) -> str | None:
+    return None if problem is None else f"{type(problem).__name__}: {problem}"
+
+
+def _fp32_all_reduce(pg, flat: torch.Tensor, world: int, op: str, waiter: Waiter):
+    # The group writes into a copy: after an abort a late peer could still complete the
+    # pending collective, and that must not scribble over the caller's tensor.
+    buf = flat.clone()
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    step = "the float32 all-reduce"
+    waiter.wait(waiter.issue(lambda: pg.allreduce([buf], opts), step), step)
+    if op == "avg":
+        buf.div_(world)
+    flat.copy_(buf)
+    ring = 2 * (world - 1) * 4 * flat.numel() // world
+    return ring, ring
+
+
+def _slot(n: int) -> int:
+    return -(-_kernels.encoded_bytes(n) // _ALIGN) * _ALIGN
+
+
+class _Uint8AllReduce:
+    """One uint8 all-reduce: the chunk/piece geometry and the pipelined schedule."""
+
+    def __init__(self, pg, flat, world, rank, op, piece, waiter) -> None:
+        self.pg, self.flat, self.world, self.rank, self.waiter = pg, flat, world, rank, waiter
+        self.divisor = float(world) if op == "avg" else 1.0
+        n = flat.numel()
+        self.chunk = -(-n // world)
+        self.starts = [min(j * self.chunk, n) for j in range(world)]
+        self.lens = [min((j + 1) * self.chunk, n) - self.starts[j] for j in range(world)]
+        self.piece = piece
+        self.rounds = -(-self.chunk // piece)
+        self.base = flat.data_ptr()
+        self.sent = self.received = 0
+
+    def _len(self, j: int, r: int) -> int:
+        return max(0, min(self.lens[j] - r * self.piece, self.piece))
+
+    def _ptr(self, j: int, r: int) -> int:
+        return self.base + 4 * (self.starts[j] + r * self.piece)
+
+    def run(self) -> tuple[int, int]:
+        rs = {0: self._issue_rs(0)}
+        ag = {}
+        for r in range(self.rounds):
+            if r + 1 < self.rounds:
+                rs[r + 1] = self._issue_rs(r + 1)  # quantize the next piece during transfer
+            self._finish_rs(r, *rs.pop(r))
+            ag[r] = self._issue_ag(r)
+            if r >= 1:
+                self._finish_ag(r - 1, *ag.pop(r - 1))
+        self._finish_ag(self.rounds - 1, *ag.pop(self.rounds - 1))
+        return self.sent, self.received
+
+    def _issue_rs(self, r: int):
+        self.waiter.check()
+        me, world = self.rank, self.world
+        in_splits = [0 if j == me else _slot(self._len(j, r)) for j in range(world)]
+        out_splits = [0 if i == me else _slot(self._len(me, r)) for i in range(world)]
+        send = torch.empty(sum(in_splits), dtype=torch.uint8)
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8)
+        jobs, off = [], 0
+        for j in range(world):
+            if in_splits[j]:
+                n = self._len(j, r)
+                jobs.append((self._ptr(j, r), n, send.data_ptr() + off))
+                send[off + _kernels.encoded_bytes(n) : off + in_splits[j]].zero_()
+            off += in_splits[j]
+        if _kernels.quantize_many(jobs) >= 0:  # pre-flight saw finite data: it changed since
+            raise RuntimeError("all_reduce: the tensor was modified during the call")
+        work = self.waiter.issue(
+            lambda: self.pg.alltoall_base(recv, send, out_splits, in_splits),
+            f"reduce-scatter piece {r}",
+        )
+        self.sent += send.numel()
+        self.received += recv.numel()
+        return work, recv, out_splits, send
+
+    def _finish_rs(self, r: int, work, recv, out_splits, send) -> None:
+        self.waiter.wait(work, f"reduce-scatter piece {r}")
+        offsets, off = [], recv.data_ptr()
+        for i in range(self.world):
+            if out_splits[i]:
+                offsets.append(off)
+            off += out_splits[i]
+        _kernels.reduce_into(
+            self._ptr(self.rank, r), self._len(self.rank, r), offsets, self.divisor
+        )
+
+    def _issue_ag(self, r: int):
+        self.waiter.check()
+        size = _slot(self._len(0, r))  # chunk 0 is the longest: every slot fits
+        n = self._len(self.rank, r)
+        send = torch.empty(size, dtype=torch.uint8)
+        send[_kernels.encoded_bytes(n) :].zero_()
+        if _kernels.quantize_many([(self._ptr(self.rank, r), n, send.data_ptr())]) >= 0:
+            raise RuntimeError("all_reduce: the tensor was modified during the call")
+        recv = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
+        work = self.waiter.issue(lambda: self.pg.allgather([recv], [send]), f"all-gather piece {r}")
+        # gloo's all-gather is a ring: each rank forwards W - 1 slots of this size.
+        self.sent += (self.world - 1) * size
+        self.received += (self.world - 1) * size
+        return work, recv, send
+
+    def _finish_ag(self, r: int, work, recv, send) -> None:
+        self.waiter.wait(work, f"all-gather piece {r}")
+        jobs = [
+            (recv[i].data_ptr(), self._len(i, r), self._ptr(i, r))
+            for i in range(self.world)
+            if self._len(i, r)
+        ]
+        _kernels.dequantize_many(jobs, False)

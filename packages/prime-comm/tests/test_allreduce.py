@@ -1,0 +1,133 @@
+"""all_reduce over real gloo groups of 1..4 processes on 127.0.0.1 (one pool per module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import prime_comm
+
+BLOCK = prime_comm.BLOCK
+WORLDS = [1, 2, 3, 4]
+# Empty, one element, fewer than W, not divisible by W, several pipelined pieces.
+SIZES = [0, 1, 3, 1001, 2 * (1 << 18) + 2 * BLOCK + 7]
+
+
+def same_everywhere(replies: list[dict], key: str = "digest") -> bool:
+    return len({r[key] for r in replies}) == 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", ["avg", "sum"])
+@pytest.mark.parametrize("compression", ["uint8", "none"])
+def test_all_reduce_matches_exact(pool4, world, n, op, compression):
+    replies = pool4.run("reduce", world, n=n, op=op, compression=compression, seed=n)
+    assert same_everywhere(replies), "ranks ended with different values"
+    for r in replies:
+        assert r["numel"] == n
+        if world == 1 or n == 0:
+            assert r["rel_err"] == 0.0  # nothing to reduce: the tensor is left as it was
+        elif compression == "none":
+            assert r["rel_err"] <= 1e-6
+        else:
+            assert r["rel_err"] <= 0.02, f"uint8 error {r['rel_err']:.4%}"
+    if world == 1:
+        assert replies[0]["bytes_sent"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_uint8_error_bar_on_standard_normal(pool4, world, op):
+    replies = pool4.run("reduce", world, n=1 << 20, op=op, seed=11)
+    assert same_everywhere(replies)
+    err = replies[0]["rel_err"]
+    assert 0 < err <= 0.02, f"W={world} {op}: relative L2 error {err:.4%} vs dist.all_reduce"
+
+
+@pytest.mark.parametrize("kind", ["const", "zeros", "heavy"])
+def test_other_distributions(pool4, kind):
+    replies = pool4.run("reduce", 3, n=300_000, kind=kind, seed=5)
+    assert same_everywhere(replies)
+    if kind in ("const", "zeros"):  # constant blocks decode exactly
+        assert replies[0]["max_abs_err"] <= 1e-7
+    else:
+        assert replies[0]["rel_err"] <= 0.05
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bytes_on_the_wire(pool4, world):
+    n = 1 << 22
+    packed = pool4.run("reduce", world, n=n, seed=3)
+    plain = pool4.run("reduce", world, n=n, seed=3, compression="none")
+    for p, f in zip(packed, plain, strict=True):
+        assert p["bytes_sent"] <= 0.26 * p["fp32_ring_bytes"]
+        if p["wchar"] is not None:  # what the process really wrote to its sockets
+            assert p["wchar"] <= 0.26 * f["wchar"], (p["wchar"], f["wchar"])
+
+
+def test_small_pieces_and_default_group(pool4):
+    small = pool4.run("reduce", 3, n=1 << 20, seed=9, piece_size=1 << 16)
+    assert same_everywhere(small) and small[0]["rel_err"] <= 0.02
+    default = pool4.run("reduce", 4, n=5000, use_default=True)  # group=None
+    assert same_everywhere(default) and default[0]["rel_err"] <= 0.02
+
+
+# Each kind of bad call made on rank 1 only; every rank must raise, none may hang.
+SAME_ERROR = ["nan", "inf", "length", "op", "compression"]
+LOCAL_ERROR = {
+    "bad_op": ("ValueError", "op must be"),
+    "dtype": ("TypeError", "float32"),
+    "noncontig": ("ValueError", "contiguous"),
+    "device": ("ValueError", "CPU"),
+    "timeout": ("ValueError", "timeout"),
+    "not_tensor": ("TypeError", "torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("kind", SAME_ERROR + list(LOCAL_ERROR))
+def test_bad_call_on_one_rank_fails_on_every_rank(pool4, kind):
+    replies = pool4.run("bad", 3, bad_rank=1, kind=kind)
+    for rank, r in enumerate(replies):
+        assert r["raised"] is not None, f"rank {rank} did not raise for {kind}"
+        assert r["untouched"], f"rank {rank}'s tensor was modified by a refused call"
+    if kind in SAME_ERROR:
+        assert {r["raised"] for r in replies} == {"ValueError"}
+        assert same_everywhere(replies, "message"), [r["message"] for r in replies]
+    else:
+        exc, words = LOCAL_ERROR[kind]
+        assert replies[1]["raised"] == exc and words in replies[1]["message"]
+        for r in (replies[0], replies[2]):
+            assert r["raised"] == "ValueError" and "rank 1" in r["message"]
+            assert words in r["message"]
+    assert same_everywhere(replies, "after"), "the group was unusable after a refused call"
+
+
+def test_bad_group_and_no_group():
+    x = torch.randn(10)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        prime_comm.all_reduce(x, group="world")
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="init_process_group"):
+            prime_comm.all_reduce(x)
+
+
+def test_single_process_group_in_process():
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    x = torch.randn(1000)
+    before = x.clone()
+    stats = prime_comm.all_reduce(x, group=pg, op="sum")
+    assert torch.equal(x, before) and stats.world_size == 1 and stats.bytes_sent == 0
+    with pytest.raises(ValueError, match="NaN"):
+        prime_comm.all_reduce(torch.tensor([float("nan")]), group=pg)
+    with pytest.raises(TypeError, match="should_abort"):
+        prime_comm.all_reduce(x, group=pg, should_abort=True)
+    with pytest.raises(TypeError, match="timeout"):
+        prime_comm.all_reduce(x, group=pg, timeout="5")
+    with pytest.raises(ValueError, match="piece_size"):
+        prime_comm.all_reduce(x, group=pg, piece_size=1000)
+    with pytest.raises(ValueError, match="detach"):
+        prime_comm.all_reduce(torch.randn(10, requires_grad=True), group=pg)
+    with pytest.raises(prime_comm.CollectiveAborted, match="should_abort"):
+        prime_comm.all_reduce(x, group=pg, should_abort=lambda: True)

@@ -1,0 +1,157 @@
+"""The C++ quantizer against a pure-torch reference, plus edge cases and bad input."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import time
+
+import pytest
+import torch
+
+import prime_comm
+from prime_comm import _kernels
+from prime_comm.reference import dequantize_ref as ref_decode
+from prime_comm.reference import quantize_ref as ref_quantize
+
+BLOCK = prime_comm.BLOCK
+
+
+SIZES = [0, 1, 2, 31, 32, 33, 1000, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 12345]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_torch_reference(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    q = prime_comm.quantize(x)
+    books, codes = ref_quantize(x)
+    assert q.nbytes == prime_comm.encoded_nbytes(n) == books.numel() * 4 + n
+    assert torch.equal(q.codes, codes)
+    # The codebook is the bin mean to 1/65536 of a bin width: compare within that.
+    width = (books.amax(1) - books.amin(1)).clamp(min=1e-30) / 256 if n else torch.zeros(0)
+    assert torch.all((q.codebooks - books).abs() <= width[:, None] * 1e-3 + 1e-6)
+    y = prime_comm.dequantize(q)
+    assert torch.equal(y, ref_decode(q.codebooks, q.codes))
+    if n:
+        # Every element decodes within one bin width of its value.
+        for xb, yb in zip(x.split(BLOCK), y.split(BLOCK), strict=True):
+            assert (xb - yb).abs().max() <= (xb.max() - xb.min()) / 256 * 1.0001
+
+
+def test_round_trip_error_on_standard_normal():
+    x = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0))
+    y = prime_comm.dequantize(prime_comm.quantize(x))
+    rel = ((y - x).norm() / x.norm()).item()
+    assert rel <= 0.012, f"round-trip relative L2 error {rel:.4%} > 1.2%"
+
+
+@pytest.mark.parametrize("value", [0.0, 0.1, -3.3e38, 1e-42])
+def test_constant_tensor_round_trips_exactly(value):
+    x = torch.full((BLOCK + 5,), value)
+    assert torch.equal(prime_comm.dequantize(prime_comm.quantize(x)), x)
+
+
+def test_extreme_ranges_stay_finite_and_bounded():
+    x = torch.tensor([-3.4e38, 3.4e38, 0.0, 1.0] * 1000)
+    y = prime_comm.dequantize(prime_comm.quantize(x))
+    assert torch.isfinite(y).all() and y.min() >= x.min() and y.max() <= x.max()
+    tiny = torch.tensor([0.0, 1e-45, 2e-45, 5e-45] * 100)  # bins narrower than a float step
+    assert torch.equal(prime_comm.dequantize(prime_comm.quantize(tiny)), tiny)
+
+
+def test_shape_out_and_fused_accumulate():
+    x = torch.randn(300, 700)
+    q = prime_comm.quantize(x)
+    y = prime_comm.dequantize(q)
+    assert y.shape == x.shape
+    out = torch.empty(300 * 700)
+    assert prime_comm.dequantize(q, out=out) is out and torch.equal(out, y.reshape(-1))
+    base = torch.randn(300, 700)
+    acc = base.clone()
+    assert prime_comm.dequantize_add_(acc, q) is acc
+    assert torch.equal(acc, base + y)
+    buf = torch.empty(prime_comm.encoded_nbytes(x.numel()), dtype=torch.uint8)
+    assert prime_comm.quantize(x, out=buf).data is buf
+
+
+def test_output_identical_for_any_thread_count_and_simd_path():
+    x = torch.randn(7 * BLOCK + 999, generator=torch.Generator().manual_seed(7))
+    before = prime_comm.get_num_threads()
+    simd = _kernels.simd()
+    results = []
+    try:
+        for threads in (1, 2, 3, 8):
+            prime_comm.set_num_threads(threads)
+            q = prime_comm.quantize(x)
+            results.append((q.data.clone(), prime_comm.dequantize(q)))
+        _kernels.set_simd("scalar")
+        q = prime_comm.quantize(x)
+        results.append((q.data.clone(), prime_comm.dequantize(q)))
+    finally:
+        prime_comm.set_num_threads(before)
+        _kernels.set_simd(simd)
+    for data, y in results[1:]:
+        assert torch.equal(data, results[0][0]) and torch.equal(y, results[0][1])
+
+
+def test_kernels_work_in_a_forked_child():
+    prime_comm.set_num_threads(2)
+    x = torch.randn(4 * BLOCK)
+    expected = bytes(prime_comm.quantize(x).data.numpy())  # the pool's threads now exist
+    pid = os.fork()
+    if pid == 0:  # the child has no pool threads: it must build its own, not hang.
+        # (No torch ops here: torch's own OpenMP pool is not fork-safe.)
+        faulthandler.dump_traceback_later(30, exit=True)
+        ok = bytes(prime_comm.quantize(x).data.numpy()) == expected
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("quantize hung in a forked child")
+
+
+@pytest.mark.parametrize(
+    "make, exc, words",
+    [
+        (lambda: torch.randn(10).double(), TypeError, "float32"),
+        (lambda: torch.arange(10), TypeError, "float32"),
+        (lambda: [1.0, 2.0], TypeError, "torch.Tensor"),
+        (lambda: torch.randn(10, 2)[:, 0], ValueError, "contiguous"),
+        (lambda: torch.randn(10, 2).t(), ValueError, "contiguous"),
+        (lambda: torch.empty(10, device="meta"), ValueError, "CPU"),
+        (lambda: torch.randn(4, 4).to_sparse(), ValueError, "dense"),
+        (lambda: torch.tensor([1.0, float("nan")]), ValueError, "NaN"),
+        (lambda: torch.tensor([float("-inf"), 1.0]), ValueError, "NaN or Inf"),
+    ],
+)
+def test_quantize_rejects_bad_input(make, exc, words):
+    with pytest.raises(exc, match=words):
+        prime_comm.quantize(make())
+
+
+def test_dequantize_and_settings_reject_bad_input():
+    q = prime_comm.quantize(torch.randn(100))
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        prime_comm.dequantize(q.data)
+    with pytest.raises(ValueError, match="elements"):
+        prime_comm.dequantize(q, out=torch.empty(99))
+    with pytest.raises(TypeError, match="float32"):
+        prime_comm.dequantize(q, out=torch.empty(100, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bytes"):
+        prime_comm.dequantize(prime_comm.QuantizedTensor(q.data[:-1], q.shape))
+    with pytest.raises(TypeError, match="uint8"):
+        prime_comm.dequantize(prime_comm.QuantizedTensor(q.data.float(), q.shape))
+    with pytest.raises(ValueError, match="negative"):
+        prime_comm.dequantize(prime_comm.QuantizedTensor(q.data, torch.Size([-1])))
+    with pytest.raises(ValueError, match="bytes"):
+        prime_comm.quantize(torch.randn(100), out=torch.empty(10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=">= 1"):
+        prime_comm.set_num_threads(0)
+    with pytest.raises(TypeError, match="int"):
+        prime_comm.set_num_threads("2")

@@ -1,0 +1,25 @@
+"""Errors raised by prime_mesh; all derive from MeshError so a trainer can catch one type."""
+
+
+class MeshError(RuntimeError):
+    """Base class for every prime_mesh error."""
+
+
+class MeshAuthError(MeshError):
+    """The peer could not be authenticated (wrong or missing token, forged or replayed message)."""
+
+
+class MeshRefused(MeshError):
+    """The coordinator refused this node (e.g. its local_world_size or config hash differs)."""
+
+
+class MeshEvicted(MeshError):
+    """This node was evicted from the run (stalled, cut off, or timed out); rejoin as a new member."""
+
+
+class CoordinatorLost(MeshError):
+    """The coordinator closed the connection or stopped answering."""
+
+
+class MeshClosed(MeshError):
+    """The mesh was closed with close(); create a new ElasticDeviceMesh to join again."""

@@ -1,0 +1,260 @@
+"""The coordinator's membership state machine: nodes, epochs, sync barriers and commit votes.
+
+Pure logic, no sockets: every method runs under the coordinator's lock and talks to clients
+only through `Conn.send` (which queues). Liveness is judged by this process's monotonic clock
+from the heartbeats it receives, never by comparing clocks across machines.
+
+A node is one member however many local ranks it has: each local rank registers over its own
+connection with the node's shared key, the node becomes a joiner once all of them are
+registered, and losing any of them evicts the whole node, so every inter-node group (one per
+local rank) drops it in the same epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+log = logging.getLogger("prime_mesh.coordinator")
+
+
+class Conn(Protocol):
+    peer: str
+
+    def send(self, msg: dict) -> None: ...
+    def close_after_flush(self) -> None: ...
+
+
+@dataclass
+class Node:
+    key: str
+    node_id: str
+    local_world_size: int
+    metadata: dict
+    heartbeat_timeout: float
+    conns: dict[int, Conn] = field(default_factory=dict)
+    last_seen: dict[int, float] = field(default_factory=dict)
+    member: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.conns) == self.local_world_size
+
+
+class Refused(Exception):
+    """Registration refused; the message is sent to the node."""
+
+
+class Membership:
+    def __init__(self, min_nodes: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+        self.min_nodes = max(1, min_nodes)
+        self.clock = clock
+        self.epoch = 0
+        self.prefix = ""
+        self.members: list[str] = []  # node keys, in rank order
+        self.nodes: dict[str, Node] = {}
+        self.joiners: list[str] = []  # complete nodes waiting for the next sync point
+        self.gone: set[str] = set()
+        self._seq = 0
+        self._barrier: dict[tuple[str, int], tuple[Conn, int, bool, bool]] = {}
+        self._votes: dict[int, dict[tuple[str, int], tuple[Conn, int, bool]]] = {}
+
+    # ---- messages from nodes -------------------------------------------------------------
+    def register(self, conn: Conn, msg: dict) -> Node:
+        key, lr, lws = msg.get("node_key"), msg.get("local_rank"), msg.get("local_world_size")
+        metadata = msg.get("metadata") or {}
+        if not (isinstance(key, str) and isinstance(lr, int) and isinstance(lws, int)):
+            raise Refused("malformed registration (node_key, local_rank, local_world_size)")
+        if not (lws >= 1 and 0 <= lr < lws) or not isinstance(metadata, dict):
+            raise Refused(f"bad registration: local_rank {lr} of local_world_size {lws}")
+        if key in self.gone:
+            raise Refused("this node was evicted; create a new ElasticDeviceMesh to rejoin")
+        run = self._run_node(exclude=key)
+        if run is not None and run.local_world_size != lws:
+            raise Refused(
+                f"local_world_size {lws} differs from the run's {run.local_world_size}: "
+                "start every node with the same number of local ranks"
+            )
+        if run is not None and run.metadata.get("config_hash") != metadata.get("config_hash"):
+            raise Refused(
+                f"config hash {metadata.get('config_hash')!r} differs from the run's "
+                f"{run.metadata.get('config_hash')!r}: start this node with the run's config"
+            )
+        hb = msg.get("heartbeat_timeout", 5.0)
+        if not isinstance(hb, int | float):
+            raise Refused("malformed registration (heartbeat_timeout)")
+        hb = float(min(max(hb, 0.1), 3600.0))
+        node = self.nodes.get(key)
+        if node is None:
+            self._seq += 1
+            node = Node(key, f"node-{self._seq}", lws, metadata, hb)
+            self.nodes[key] = node
+        elif node.local_world_size != lws or lr in node.conns:
+            raise Refused(
+                f"local rank {lr} of {node.node_id} registered twice or with another size"
+            )
+        if lr == 0:
+            node.metadata = metadata
+        node.conns[lr] = conn
+        node.last_seen[lr] = self.clock()
+        log.info("%s local rank %d/%d registered from %s", node.node_id, lr, lws, conn.peer)
+        if node.complete:
+            self.joiners.append(key)
+            log.info("%s is waiting to join (metadata %s)", node.node_id, node.metadata)
+            self._maybe_bootstrap()
+        return node
+
+    def heartbeat(self, node: Node, lr: int) -> None:
+        node.last_seen[lr] = self.clock()
+
+    def sync(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
+        """A member reached a sync point; answer when every member has (or at once if stale)."""
+        if not node.member or msg.get("epoch") != self.epoch:
+            conn.send(self._reply(req, epoch=self.epoch_info()))
+            return
+        self._barrier[(node.key, lr)] = (conn, req, bool(msg.get("admit")), bool(msg.get("failed")))
+        self._check_barrier()
+
+    def vote(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
+        if not node.member or msg.get("epoch") != self.epoch:
+            conn.send(self._reply(req, result=False, reason="the epoch changed"))
+            return
+        ballots = self._votes.setdefault(int(msg.get("seq", 0)), {})
+        ballots[(node.key, lr)] = (conn, req, bool(msg.get("ok")))
+        if set(ballots) >= self._required():
+            result = all(ok for _, _, ok in ballots.values())
+            for c, r, _ in ballots.values():
+                c.send(self._reply(r, result=result))
+            del self._votes[int(msg.get("seq", 0))]
+
+    def evict(self, node: Node, reason: str) -> None:
+        if self.nodes.get(node.key) is not node:
+            return
+        del self.nodes[node.key]
+        self.gone.add(node.key)
+        if node.key in self.joiners:
+            self.joiners.remove(node.key)
+        level = logging.INFO if reason == "left gracefully" else logging.WARNING
+        log.log(level, "%s evicted: %s", node.node_id, reason)
+        for c in node.conns.values():
+            c.send({"type": "evicted", "reason": reason, "node_id": node.node_id})
+            c.close_after_flush()
+        if node.member:
+            self._new_epoch(
+                [k for k in self.members if k != node.key], f"{node.node_id} left: {reason}"
+            )
+        self._maybe_bootstrap()
+
+    def tick(self) -> None:
+        now = self.clock()
+        for node in list(self.nodes.values()):
+            for lr, seen in node.last_seen.items():
+                age = now - seen
+                if age > node.heartbeat_timeout:
+                    self.evict(
+                        node,
+                        f"no heartbeat from local rank {lr} for {age:.1f}s "
+                        f"(timeout {node.heartbeat_timeout:g}s): stalled or cut off",
+                    )
+                    break
+
+    # ---- epochs --------------------------------------------------------------------------
+    def _new_epoch(self, members: list[str], why: str) -> None:
+        self.epoch += 1
+        self.prefix = secrets.token_hex(
+            16
+        )  # 128 bits, only ever sent over the authenticated channel
+        for key in self.members:
+            if key in self.nodes and key not in members:
+                self.nodes[key].member = False
+        self.members = members
+        for key in members:
+            self.nodes[key].member = True
+            if key in self.joiners:
+                self.joiners.remove(key)
+        info = self.epoch_info()
+        log.info(
+            "epoch %d: %d members %s (%s)",
+            self.epoch,
+            len(members),
+            [self.nodes[k].node_id for k in members],
+            why,
+        )
+        # Everyone waiting at the old barrier or in an old vote is answered now.
+        for conn, req, _, _ in self._barrier.values():
+            conn.send(self._reply(req, epoch=info))
+        self._barrier.clear()
+        for ballots in self._votes.values():
+            for conn, req, _ in ballots.values():
+                conn.send(self._reply(req, result=False, reason="the epoch changed"))
+        self._votes.clear()
+        for key in members:
+            for conn in self.nodes[key].conns.values():
+                conn.send({"type": "epoch", "epoch": info})
+
+    def _check_barrier(self) -> None:
+        if not self.members or not set(self._barrier) >= self._required():
+            return
+        entries = list(self._barrier.values())
+        admit = all(a for _, _, a, _ in entries) and self.joiners
+        failed = any(f for _, _, _, f in entries)
+        if admit or failed:
+            joiners = list(self.joiners) if admit else []
+            why = "admitted " + ", ".join(self.nodes[k].node_id for k in joiners) if joiners else ""
+            self._new_epoch(self.members + joiners, why or "rebuilt after a failed collective")
+        else:
+            info = self.epoch_info()
+            for conn, req, _, _ in entries:
+                conn.send(self._reply(req, epoch=info))
+            self._barrier.clear()
+
+    def _maybe_bootstrap(self) -> None:
+        if not self.members and len(self.joiners) >= self.min_nodes:
+            self._new_epoch(list(self.joiners), "formed")
+
+    def _required(self) -> set[tuple[str, int]]:
+        return {(k, lr) for k in self.members for lr in range(self.nodes[k].local_world_size)}
+
+    def _run_node(self, exclude: str) -> Node | None:
+        if self.members:
+            return self.nodes[self.members[0]]
+        return next((n for k, n in self.nodes.items() if k != exclude), None)
+
+    # ---- views ---------------------------------------------------------------------------
+    def epoch_info(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "prefix": self.prefix,
+            "members": [self.nodes[k].node_id for k in self.members],
+        }
+
+    @staticmethod
+    def _reply(req: int, **fields: Any) -> dict:
+        return {"type": "reply", "id": req, **fields}
+
+    def status(self) -> dict:
+        now = self.clock()
+
+        def view(node: Node) -> dict:
+            ages = [now - t for t in node.last_seen.values()]
+            return {
+                "node_id": node.node_id,
+                "rank": self.members.index(node.key) if node.member else None,
+                "state": "member"
+                if node.member
+                else ("joining" if node.complete else "registering"),
+                "local_world_size": node.local_world_size,
+                "last_heartbeat_age": max(ages) if ages else None,
+                "metadata": node.metadata,
+            }
+
+        ordered = self.members + [k for k in self.nodes if k not in self.members]
+        return {
+            "epoch": self.epoch,
+            "min_nodes": self.min_nodes,
+            "nodes": [view(self.nodes[k]) for k in ordered],
+        }

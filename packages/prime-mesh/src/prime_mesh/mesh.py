@@ -1,0 +1,398 @@
+"""ElasticDeviceMesh: one node's view of the run's elastic inter-node process groups."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo
+
+from prime_mesh.client import CoordinatorClient
+from prime_mesh.deadline import CollectiveDeadline
+from prime_mesh.errors import CoordinatorLost, MeshClosed, MeshError, MeshEvicted
+from prime_mesh.local import local_env, make_local_mesh, shared_node_key
+from prime_mesh.wire import resolve_token
+
+log = logging.getLogger("prime_mesh")
+
+# Replaced groups are kept, never destroyed: a gloo group whose collective is stuck on a lost
+# peer blocks (holding the GIL) in its destructor until that peer's process exits.
+_RETIRED: list[Any] = []
+
+
+@dataclass(frozen=True)
+class Epoch:
+    number: int
+    prefix: str
+    members: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, info: dict) -> Epoch:
+        return cls(int(info["epoch"]), str(info["prefix"]), tuple(info["members"]))
+
+
+class ElasticDeviceMesh:
+    """Joins a run through its coordinator and keeps this local rank's inter-node gloo group.
+
+    Local rank r of every node is in inter-node group r; `global_pg` is that group for the
+    current epoch, `global_rank`/`global_world_size` this node's place in it. Call
+    `maybe_reinit_global_pg()` at every sync point (on every node), pass `should_abort` to
+    collectives, and vote with `should_commit(ok)` before applying a step. The constructor
+    blocks until the node is admitted (at the members' next sync point) unless `wait=False`.
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        host: str | None = None,
+        metadata: dict | None = None,
+        token: str | bytes | None = None,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        *,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+        node_key: str | None = None,
+        wait: bool = True,
+        join_timeout: float | None = None,
+        connect_timeout: float = 10.0,
+        pg_timeout: float = 600.0,
+    ) -> None:
+        key = resolve_token(token)
+        if not 0 < heartbeat_interval < heartbeat_timeout:
+            raise ValueError(
+                f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
+            )
+        self.metadata = dict(metadata or {})
+        try:
+            msgpack.packb(self.metadata)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"metadata must hold plain values (str, numbers, lists, dicts): {e}"
+            ) from None
+        self.local_rank, self.local_world_size = local_env(local_rank, local_world_size)
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._join_timeout = join_timeout
+        self._pg_timeout = pg_timeout
+        self._latest: Epoch | None = None
+        self._epoch: Epoch | None = None
+        self._pg: Any = None
+        self._suspect = False
+        self._vote_seq = 0
+        self._closed = False
+        self._local_mesh: Any = None
+        self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
+        node_key = shared_node_key(self.local_world_size, node_key)
+        self._client = CoordinatorClient(
+            coordinator,
+            key,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            connect_timeout=connect_timeout,
+            on_message=self._on_message,
+        )
+        try:
+            self.host = host or self._client.local_host
+            reply = self._client.request(
+                {
+                    "type": "register",
+                    "node_key": node_key,
+                    "local_rank": self.local_rank,
+                    "local_world_size": self.local_world_size,
+                    "metadata": self.metadata,
+                    "heartbeat_timeout": heartbeat_timeout,
+                },
+                timeout=connect_timeout,
+                what="the coordinator to answer the registration",
+            )
+            self._client.start_heartbeats()
+            self.node_id: str = reply["node_id"]
+            store_host = reply["store"][0] or self._client.coordinator_host
+            try:
+                self._store = dist.TCPStore(
+                    store_host,
+                    int(reply["store"][1]),
+                    None,
+                    False,
+                    timeout=datetime.timedelta(seconds=connect_timeout),
+                    wait_for_workers=False,
+                )
+            except (RuntimeError, OSError) as e:
+                raise CoordinatorLost(
+                    f"cannot reach the coordinator's rendezvous store at {store_host}:{reply['store'][1]} "
+                    f"({e}); open that port too, or start the coordinator with --advertise-host"
+                ) from None
+            self._store.set_timeout(datetime.timedelta(seconds=pg_timeout))
+            if reply.get("epoch"):
+                self._on_message({"type": "epoch", "epoch": reply["epoch"]})
+            log.info(
+                "%s local rank %d registered with %s (gloo host %s)",
+                self.node_id,
+                self.local_rank,
+                coordinator,
+                self.host,
+            )
+            if wait:
+                self._admit(join_timeout)
+        except BaseException:
+            self._client.close()
+            raise
+
+    # ---- membership ----------------------------------------------------------------------
+    def maybe_reinit_global_pg(self, admit_joiners: bool = True) -> bool:
+        """Sync point (call on every node): drop dead nodes, admit joiners, rebuild the group.
+
+        Blocks until every member reached its sync point (a node that died meanwhile is evicted
+        within heartbeat_timeout + one interval). Returns True when this node now holds a new
+        group (new members, or a fresh group after a failed collective), False when unchanged.
+        A node not yet admitted blocks here until it is, then returns True.
+        """
+        self._check()
+        if self._epoch is None:
+            self._admit(self._join_timeout)
+            return True
+        reply = self._client.request(
+            {
+                "type": "sync",
+                "epoch": self._epoch.number,
+                "admit": bool(admit_joiners),
+                "failed": self._suspect,
+            },
+            what="the other members to reach their sync point",
+        )
+        self._on_message({"type": "epoch", "epoch": reply["epoch"]})
+        assert self._latest is not None
+        if self._latest.number == self._epoch.number:
+            self._suspect = False
+            return False
+        self._install(self._latest)
+        return True
+
+    def should_abort(self) -> bool:
+        """True once a newer epoch exists than the one the current group belongs to."""
+        self._check()
+        return (
+            self._epoch is not None
+            and self._latest is not None
+            and self._latest.number > self._epoch.number
+        )
+
+    def should_commit(self, ok: bool) -> bool:
+        """Vote at the end of a sync step: True only if every member of the epoch reported ok.
+
+        Every member must call it the same number of times per epoch. A False vote (or a
+        changed epoch) makes the result False for all, and marks the group suspect so the next
+        maybe_reinit_global_pg() builds a fresh one.
+        """
+        self._check()
+        if self._epoch is None:
+            raise MeshError("not admitted yet: call maybe_reinit_global_pg() first")
+        if not ok:
+            self._suspect = True
+        reply = self._client.request(
+            {"type": "vote", "epoch": self._epoch.number, "seq": self._vote_seq, "ok": bool(ok)},
+            what="the other members' commit votes",
+        )
+        self._vote_seq += 1
+        result = bool(reply.get("result"))
+        if not result:
+            self._suspect = True
+            log.info(
+                "%s: step not committed (%s)",
+                self.node_id,
+                reply.get("reason", "a member reported failure"),
+            )
+        return result
+
+    def members(self) -> list[dict]:
+        """Every node the coordinator knows (members in rank order, then joiners) with its
+        node_id, rank, state, local_world_size, last_heartbeat_age and metadata."""
+        return list(self.status()["nodes"])
+
+    def status(self) -> dict:
+        self._check()
+        return dict(self._client.request({"type": "status"})["status"])
+
+    # ---- collective deadlines ------------------------------------------------------------
+    def collective_timeout(self) -> float:
+        """Seconds to allow the next inter-node collective: a bounded moving average of the
+        durations given to record_collective() (see CollectiveDeadline)."""
+        return self._deadline.timeout()
+
+    def record_collective(self, seconds: float, ok: bool = True) -> None:
+        """Report a finished collective; ok=False marks the group suspect, so the next
+        maybe_reinit_global_pg() waits for an epoch without the failed peer, or a fresh group."""
+        if ok:
+            self._deadline.record(seconds)
+        else:
+            self._suspect = True
+
+    # ---- views ---------------------------------------------------------------------------
+    @property
+    def global_pg(self) -> Any:
+        self._check()
+        if self._pg is None:
+            raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
+        return self._pg
+
+    @property
+    def global_rank(self) -> int:
+        return self._current().members.index(self.node_id)
+
+    @property
+    def global_world_size(self) -> int:
+        return len(self._current().members)
+
+    @property
+    def epoch(self) -> int:
+        return self._current().number
+
+    @property
+    def local_mesh(self) -> Any:
+        if self._local_mesh is None:
+            self._local_mesh = make_local_mesh(self.local_world_size)
+        return self._local_mesh
+
+    def close(self) -> None:
+        """Leave the run gracefully and at once; the other members see a new epoch."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pg is not None:
+            _RETIRED.append(self._pg)
+        try:
+            if not self._client.failed:
+                self._client.channel.send({"type": "leave"})
+        except OSError:
+            pass
+        self._client.close()
+        log.info("%s local rank %d left the run", self.node_id, self.local_rank)
+
+    def __enter__(self) -> ElasticDeviceMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise MeshClosed("this ElasticDeviceMesh was closed; create a new one to join again")
+        self._client.check()
+
+    def _current(self) -> Epoch:
+        self._check()
+        if self._epoch is None:
+            raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
+        return self._epoch
+
+    def _on_message(self, msg: dict) -> None:
+        if msg.get("type") == "epoch" and msg.get("epoch"):
+            e = Epoch.parse(msg["epoch"])
+            if self._latest is None or e.number > self._latest.number:
+                self._latest = e
+
+    def _newer_than(self, number: int) -> bool:
+        return self._latest is not None and self._latest.number > number
+
+    def _admit(self, timeout: float | None) -> None:
+        start = time.monotonic()
+
+        def admitted() -> bool:
+            return self._latest is not None and self.node_id in self._latest.members
+
+        while not self._client.wait_for(admitted, 30.0):
+            self._client.check()
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
+                raise TimeoutError(
+                    f"{self.node_id} was not admitted within {timeout:g}s: the members admit "
+                    "joiners at their next sync point (or the run has fewer than min_nodes nodes)"
+                )
+            log.info(
+                "%s waiting %.0fs to be admitted at the members' next sync point",
+                self.node_id,
+                waited,
+            )
+        assert self._latest is not None
+        self._install(self._latest)
+
+    def _install(self, target: Epoch) -> None:
+        """Build the group of `target` (or of any newer epoch that appears meanwhile)."""
+        started = time.monotonic()
+        failures = 0
+        while True:
+            self._check()
+            if self._latest is not None and self._latest.number > target.number:
+                target = self._latest
+            if self.node_id not in target.members:
+                self._client.wait_for(
+                    lambda: False, self.heartbeat_timeout
+                )  # let the eviction notice land
+                self._check()
+                raise MeshEvicted(
+                    f"{self.node_id} is not a member of epoch {target.number}; create a new mesh to rejoin"
+                )
+            box: dict[str, Any] = {}
+            threading.Thread(target=self._build, args=(target, box), daemon=True).start()
+            n = target.number
+            self._client.wait_for(lambda b=box, n=n: bool(b) or self._newer_than(n), None)
+            self._check()
+            if "pg" in box:
+                if self._pg is not None:
+                    _RETIRED.append(self._pg)
+                self._pg, self._epoch = box["pg"], target
+                self._vote_seq, self._suspect = 0, False
+                log.info(
+                    "%s local rank %d: epoch %d, rank %d of %d (group built in %.2fs)",
+                    self.node_id,
+                    self.local_rank,
+                    target.number,
+                    self.global_rank,
+                    self.global_world_size,
+                    time.monotonic() - started,
+                )
+                return
+            if self._newer_than(n):
+                continue  # abandon this epoch's build; it times out on its own
+            failures += 1
+            log.warning(
+                "%s: building epoch %d's group failed: %s", self.node_id, target.number, box["err"]
+            )
+            if self._client.wait_for(
+                lambda n=n: self._newer_than(n),
+                self.heartbeat_timeout + 2 * self.heartbeat_interval,
+            ):
+                continue
+            self._check()
+            if failures >= 3:
+                raise MeshError(
+                    f"could not form the inter-node group of epoch {target.number}: {box['err']}"
+                )
+            reply = self._client.request(
+                {"type": "sync", "epoch": target.number, "admit": False, "failed": True}
+            )
+            self._on_message({"type": "epoch", "epoch": reply["epoch"]})
+
+    def _build(self, target: Epoch, box: dict) -> None:
+        try:
+            store = dist.PrefixStore(
+                f"prime-mesh/{target.prefix}/{self.local_rank}", self._store.clone()
+            )
+            opts = ProcessGroupGloo._Options()
+            opts._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
+            opts._timeout = datetime.timedelta(seconds=self._pg_timeout)
+            box["pg"] = ProcessGroupGloo(
+                store, target.members.index(self.node_id), len(target.members), opts
+            )
+        except Exception as e:  # reported to the waiting thread
+            box["err"] = e
+        finally:
+            self._client.notify()

@@ -1,0 +1,127 @@
+"""`prime-mesh coordinator` and `prime-mesh status` as real processes; the coordinator killed."""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mesh_node import BOUND, HB_TIMEOUT, Cluster
+
+CLI = str(Path(sys.executable).parent / "prime-mesh")
+TOKEN = "test-token-cli"
+
+
+def _lines(proc):
+    q = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line) for line in proc.stdout], daemon=True).start()
+    return q
+
+
+def _start_coordinator(children, *extra):
+    env = {**os.environ, "PRIME_TOKEN": TOKEN}
+    proc = children.popen(
+        [CLI, "coordinator", "--host", "127.0.0.1", "--port", "0", *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = _lines(proc)
+    first = lines.get(timeout=60)
+    assert "listening on" in first, first
+    return proc, first.split("listening on ")[1].split()[0]
+
+
+def _run(*args, env_token=None, timeout=60):
+    env = {k: v for k, v in os.environ.items() if k != "PRIME_TOKEN"}
+    if env_token:
+        env["PRIME_TOKEN"] = env_token
+    return subprocess.run([CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(200)
+def test_cli_status_and_coordinator_killed(children, tmp_path):
+    coord, address = _start_coordinator(children, "--min-nodes", "2")
+    cluster = Cluster(children, address, TOKEN)
+    hosts = {"a": "127.0.0.3", "b": "127.0.0.2"}
+    for n in "ab":
+        cluster.start(n, metadata={"serve_url": f"http://{n}:1"}, host=hosts[n])
+    joined = {n: cluster.expect(n, "joined", timeout=120) for n in "ab"}
+    assert {j["world"] for j in joined.values()} == {2}
+    # gloo binds to and advertises the given host: each listens on its own address, and one
+    # connects to the address the other advertised (which one is gloo's choice).
+    cluster.send(["a", "b"], "sockets")
+    ends = {n: cluster.expect(n, "sockets") for n in "ab"}
+    assert hosts["a"] in ends["a"]["local"] and hosts["b"] in ends["b"]["local"], ends
+    assert hosts["b"] in ends["a"]["remote"] or hosts["a"] in ends["b"]["remote"], ends
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    out = _run("status", "--coordinator", address, "--token-file", str(token_file))
+    assert out.returncode == 0, out.stderr
+    assert "epoch 1, 2 members" in out.stdout
+    for needle in ("node-1", "node-2", "member", "http://a:1", "http://b:1", "heartbeat"):
+        assert needle in out.stdout, out.stdout
+    out = _run("status", "--coordinator", address, "--json", env_token=TOKEN)
+    assert out.returncode == 0 and '"serve_url": "http://b:1"' in out.stdout
+
+    bad = tmp_path / "bad"
+    bad.write_text("wrong")
+    out = _run("status", "--coordinator", address, "--token-file", str(bad))
+    assert out.returncode == 2 and "PRIME_TOKEN" in out.stderr and "Traceback" not in out.stderr
+
+    taken = address.split(":")[1]
+    out = _run("coordinator", "--host", "127.0.0.1", "--port", taken, env_token=TOKEN)
+    assert (
+        out.returncode == 2
+        and "pick another --port" in out.stderr
+        and "Traceback" not in out.stderr
+    )
+
+    # A node whose main thread computes for longer than the timeout keeps its heartbeats.
+    cluster.send("a", "compute", seconds=HB_TIMEOUT + 1)
+    cluster.expect("a", "computed", timeout=60)
+    cluster.send(["a", "b"], "allreduce", value=1.0)
+    assert [cluster.get(n)[0] for n in "ab"] == ["ok", "ok"]
+    assert "epoch 1, 2 members" in _run("status", "--coordinator", address, env_token=TOKEN).stdout
+
+    # A stalled coordinator: the nodes notice its silence within the heartbeat timeout.
+    coord.send_signal(signal.SIGSTOP)
+    stopped_at = time.time()
+    for n in "ab":
+        while True:  # mesh calls answer normally until the silence exceeds the timeout
+            cluster.send(n, "check")
+            kind, kw = cluster.get(n, timeout=BOUND)
+            assert kw["t"] - stopped_at < BOUND, (n, kind, kw)
+            if kind == "error":
+                break
+            time.sleep(0.2)
+        assert kw["type"] == "CoordinatorLost" and "has not answered" in kw["msg"], kw
+    coord.send_signal(signal.SIGKILL)
+    coord.send_signal(signal.SIGCONT)
+    coord.wait(timeout=10)
+    for n in "ab":
+        cluster.send(n, "reinit")
+    for n in "ab":
+        assert cluster.expect(n, "error", timeout=BOUND)["type"] == "CoordinatorLost"
+    # Nothing else is torn down: the group they hold still works.
+    cluster.send("a", "plain_allreduce", value=1.0)
+    cluster.send("b", "plain_allreduce", value=3.0)
+    assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+    cluster.send(["a", "b"], "exit")
+
+
+def test_cli_user_mistakes_are_clear(tmp_path):
+    out = _run("coordinator", "--port", "0")
+    assert out.returncode == 2 and "PRIME_TOKEN" in out.stderr and "Traceback" not in out.stderr
+    out = _run("status", "--coordinator", "127.0.0.1:1", env_token=TOKEN, timeout=60)
+    assert out.returncode == 2 and "cannot reach the coordinator" in out.stderr
+    out = _run("status", "--coordinator", "nonsense", env_token=TOKEN)
+    assert out.returncode == 2 and "HOST:PORT" in out.stderr
+    out = _run("status", "--coordinator", "127.0.0.1:1", "--token-file", str(tmp_path / "missing"))
+    assert out.returncode == 2 and "cannot read --token-file" in out.stderr

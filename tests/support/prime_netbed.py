@@ -1,0 +1,123 @@
+"""A WAN test bed on one machine: network namespaces joined through a bridge, each node's link
+rate-limited with `tc tbf` (both directions). Root only; `netem` is not available on these
+kernels, so latency is not emulated, bandwidth is.
+
+    with WanBed(3, rate_mbit=100) as bed:
+        p = subprocess.Popen(bed.exec_prefix(0) + [sys.executable, "worker.py", bed.ip(0)])
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+SUBNET = "10.231.{bed}.{host}"
+
+
+def bed_unavailable_reason() -> str | None:
+    """Why a bed cannot be built here (None when it can): used as a pytest skip reason."""
+    if os.geteuid() != 0:
+        return "the WAN bed needs root (network namespaces and tc); CI runs as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the WAN bed needs the `{tool}` command (iproute2)"
+    return None
+
+
+def _run(*args: str) -> None:
+    r = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {r.stderr.strip()}")
+
+
+class WanBed:
+    """`nodes` namespaces on a shared bridge; every node link limited to `rate_mbit` each way."""
+
+    def __init__(self, nodes: int, rate_mbit: float = 100.0) -> None:
+        if not 1 <= nodes <= 200:
+            raise ValueError("a WanBed holds 1 to 200 nodes")
+        self.nodes = nodes
+        self.rate_mbit = rate_mbit
+        self.tag = uuid.uuid4().hex[:6]
+        self.bed_octet = int(self.tag, 16) % 250 + 1
+        self.bridge_ns = f"pb{self.tag}"
+        self.node_ns = [f"pn{self.tag}{k}" for k in range(nodes)]
+        self._made: list[str] = []
+
+    def ip(self, k: int) -> str:
+        return SUBNET.format(bed=self.bed_octet, host=k + 1)
+
+    def exec_prefix(self, k: int) -> list[str]:
+        """Prefix a command with this to run it inside node k's namespace."""
+        return ["ip", "netns", "exec", self.node_ns[k]]
+
+    def __enter__(self) -> WanBed:
+        reason = bed_unavailable_reason()
+        if reason:
+            raise RuntimeError(reason)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _build(self) -> None:
+        rate = f"{self.rate_mbit}mbit"
+        _run("ip", "netns", "add", self.bridge_ns)
+        self._made.append(self.bridge_ns)
+        inb = ["ip", "netns", "exec", self.bridge_ns]
+        _run(*inb, "ip", "link", "add", "br0", "type", "bridge")
+        _run(*inb, "ip", "link", "set", "br0", "up")
+        for k, ns in enumerate(self.node_ns):
+            _run("ip", "netns", "add", ns)
+            self._made.append(ns)
+            inn = ["ip", "netns", "exec", ns]
+            _run(
+                "ip",
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"b{k}",
+                "netns",
+                self.bridge_ns,
+            )
+            _run(*inn, "ip", "addr", "add", f"{self.ip(k)}/24", "dev", "eth0")
+            _run(*inn, "ip", "link", "set", "lo", "up")
+            _run(*inn, "ip", "link", "set", "eth0", "up")
+            _run(*inb, "ip", "link", "set", f"b{k}", "master", "br0")
+            _run(*inb, "ip", "link", "set", f"b{k}", "up")
+            # egress of the node (upload) and egress of the bridge port (download)
+            for where, dev in ((inn, "eth0"), (inb, f"b{k}")):
+                _run(
+                    *where,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "256kb",
+                    "latency",
+                    "100ms",
+                )
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self._made.clear()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,97 @@
+"""DiLoCo's sync point across real nodes: prime-mesh + prime-comm + the outer optimizer.
+
+Three node processes (each its own gloo world) take outer steps; one is SIGKILLed before a
+sync. The survivors must re-form, average over the two of them only (no half step that still
+counts the dead node), and keep bit-identical outer weights.
+"""
+
+import hashlib
+import os
+import signal
+
+import pytest
+import torch
+
+from prime_mesh import Coordinator
+from prime_train.diloco import OuterOptimizer
+
+TOKEN = "outer-sync-test-token"
+NODES, ROUNDS, KILLED, KILL_ROUND = 3, 4, 2, 2
+
+
+def perturbation(shape, r, k):
+    g = torch.Generator().manual_seed(1000 * r + k)
+    return torch.randn(shape, generator=g) * 0.05
+
+
+def _node(k, address, q):
+    torch.set_num_threads(1)
+    os.environ["PRIME_TOKEN"] = TOKEN
+    from prime_mesh import ElasticDeviceMesh
+    from prime_train.outer_sync import OuterSync
+
+    mesh = ElasticDeviceMesh(
+        address, host="127.0.0.1", heartbeat_interval=0.5, heartbeat_timeout=3.0
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16)
+    sync = OuterSync(OuterOptimizer(model.parameters()), mesh, compression="none")
+    for r in range(ROUNDS):
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.add_(perturbation(p.shape, r, 10 * k + i))
+        if k == KILLED and r == KILL_ROUND:
+            q.close()
+            q.join_thread()  # what this node reported so far reaches the test first
+            os.kill(os.getpid(), signal.SIGKILL)
+        report = sync.step()
+        digest = hashlib.sha256(sync.outer.outer.numpy().tobytes()).hexdigest()
+        q.put((k, r, report.world_size, report.attempts, digest, sync.outer.outer.numpy().copy()))
+    mesh.close()
+
+
+def expected_outer():
+    """The same rounds in one process: Nesterov on the average over the nodes alive."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 16)
+    start = [p.detach().clone() for p in model.parameters()]
+    outer = OuterOptimizer([torch.nn.Parameter(t.clone()) for t in start])
+    trajectory = []
+    for r in range(ROUNDS):
+        alive = [k for k in range(NODES) if not (k == KILLED and r >= KILL_ROUND)]
+        views = outer._views
+        # every node's model equals the outer weights after a step, plus its own perturbation
+        currents = [
+            [v + perturbation(v.shape, r, 10 * k + i) for i, v in enumerate(views)] for k in alive
+        ]
+        outer.pseudo_grad.copy_(
+            torch.cat(
+                [
+                    torch.stack([v - c[i] for c in currents]).mean(0).flatten()
+                    for i, v in enumerate(views)
+                ]
+            )
+        )
+        outer.apply()
+        trajectory.append(outer.outer.clone())
+    return trajectory
+
+
+@pytest.mark.timeout(240)
+def test_killed_node_is_dropped_and_survivors_average_over_themselves(children):
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=NODES).start()
+    try:
+        q = children.queue()
+        for k in range(NODES):
+            children.process(_node, k, coord.address, q)
+        got = [q.get(timeout=180) for _ in range(NODES * ROUNDS - (ROUNDS - KILL_ROUND))]
+    finally:
+        coord.close()
+    want = expected_outer()
+    for r in range(ROUNDS):
+        rows = [g for g in got if g[1] == r]
+        alive = NODES if r < KILL_ROUND else NODES - 1
+        assert len(rows) == alive
+        assert {row[2] for row in rows} == {alive}, f"round {r}: world sizes {rows}"
+        assert len({row[4] for row in rows}) == 1, f"round {r}: outer weights differ across nodes"
+        torch.testing.assert_close(torch.from_numpy(rows[0][5]), want[r], rtol=1e-5, atol=1e-6)
