@@ -161,3 +161,7 @@ def test_two_ranks_via_torchrun(tmp_path, port):
     summary = json.loads((tmp_path / "debug" / "summary.json").read_text())
     assert summary["tokens"] == 20 * 4 * 64 * 2
     assert summary["heldout_loss"] <= 0.7 * summary["initial_heldout_loss"]
+    if checkpointing.available():  # both ranks load their shards of the step-20 checkpoint
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=clean_env())
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        assert "resumed from the step-20 checkpoint" in r.stdout

@@ -35,6 +35,10 @@ def available() -> bool:
 
 def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
     """The optimizer's per-parameter tensors keyed by parameter name (stable across runs)."""
+    missing = [name for name, p in model.named_parameters() if p not in opt.state]
+    if missing:
+        # e.g. FSDP2 left parameters gathered after a forward without backward
+        raise RuntimeError(f"parameters without optimizer state: {missing[:3]}; reshard first")
     return {name: opt.state[p] for name, p in model.named_parameters()}
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -119,3 +120,15 @@ def build_model(model: Transformer, placement: Placement, cfg: TrainConfig, seed
     with torch.no_grad():
         model.init_weights(seed=seed)
     return bf16
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free gathered parameters after a forward without backward (evaluation).
+
+    FSDP2 keeps the root and the last block gathered after forward, expecting a backward;
+    without this, `model.parameters()` would then return the gathered tensors instead of the
+    sharded ones the optimizer and checkpoints hold.
+    """
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -68,27 +68,27 @@ def finish(
         stopped_by=stopped_by,
         resumed_from=start or None,
     )
-    if run.primary:
-        write_atomic(
-            Path(run.run_dir) / "summary.json"
-            if placement.node == 0
-            else Path(run.run_dir) / f"summary-node{placement.node}.json",
-            json.dumps(asdict(summary), indent=2) + "\n",
-        )
-        ratio = (
-            f" ({eval_loss / initial:.2f}x the step-0 {initial:.4f})"
-            if eval_loss is not None and initial
-            else ""
-        )
-
-        def fmt(v):
-            return "n/a" if v is None else f"{v:.4f}"
-
-        log.info(
-            f"{'stopped' if stopped_by else 'done'}: {step}/{cfg.train.steps} steps | "
-            f"train loss {fmt(last_loss)} | held-out loss {fmt(eval_loss)}{ratio} | "
-            f"{summary.tokens:,} tokens | {seconds:.1f} s, {summary.tokens_per_s:,.0f} tok/s\n"
-            f"  run folder {run.run_dir} (metrics.jsonl, summary.json"
-            f"{', ' + Path(plot).name if plot else ''}); checkpoints in {run.ckpt_dir}"
-        )
+    if not run.primary:
+        return summary
+    summary_file = run.run_dir / (
+        "summary.json" if placement.node == 0 else f"summary-node{placement.node}.json"
+    )
+    if session_tokens or not summary_file.exists():  # a no-op rerun keeps the real figures
+        write_atomic(summary_file, json.dumps(asdict(summary), indent=2) + "\n")
+    ratio = (
+        f" ({eval_loss / initial:.2f}x the step-0 {initial:.4f})"
+        if eval_loss is not None and initial
+        else ""
+    )
+    log.info(
+        f"{'stopped' if stopped_by else 'done'}: {step}/{cfg.train.steps} steps | "
+        f"train loss {_fmt(last_loss)} | held-out loss {_fmt(eval_loss)}{ratio} | "
+        f"{summary.tokens:,} tokens | {seconds:.1f} s, {summary.tokens_per_s:,.0f} tok/s\n"
+        f"  run folder {run.run_dir} ({summary_file.name}, metrics"
+        f"{', ' + Path(plot).name if plot else ''}); checkpoints in {run.ckpt_dir}"
+    )
     return summary
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4f}"

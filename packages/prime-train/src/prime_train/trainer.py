@@ -21,7 +21,7 @@ from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, 
 from prime_train.metrics import Log, Metrics
 from prime_train.model import Transformer, model_args, num_params
 from prime_train.optim import lr_at, make_optimizer, set_lr
-from prime_train.parallel import Placement, build_model, init_placement
+from prime_train.parallel import Placement, build_model, init_placement, reshard
 from prime_train.rundir import claim_run_dir
 from prime_train.stop import StopSignal
 from prime_train.summary import Summary, finish
@@ -156,6 +156,7 @@ class Run:
                 [loss.double(), torch.ones((), dtype=torch.float64, device=self.device)]
             )
         self.all_reduce_sum(total)
+        reshard(self.model)
         return float(total[0] / total[1])
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
@@ -222,6 +223,8 @@ def _loop(
     start = run.resume()
     if start:
         log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
+    if start >= total:
+        log.info(f"the run is already complete ({start}/{total} steps); nothing to do")
     run.metrics.open(start)
     eval_loss: float | None = None
     if start == 0:
