@@ -1,13 +1,25 @@
+"""The `prime-train` command end to end: the debug config, the plot command, bad input."""
+
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+DEBUG = REPO / "configs" / "debug.toml"
 
 
-def run_cli(*args):
+def run_cli(*args, timeout=280):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
     return subprocess.run(
         [sys.executable, "-m", "prime_train.cli", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -17,3 +29,61 @@ def test_missing_config_is_one_clear_line(tmp_path):
     assert r.returncode == 2
     assert str(missing) in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_bad_data_path_is_clear(tmp_path):
+    r = run_cli(
+        "--config",
+        str(DEBUG),
+        "--run.runs_dir",
+        str(tmp_path),
+        "--data.path",
+        str(tmp_path / "none" / "*.txt"),
+    )
+    assert r.returncode == 2, r.stderr
+    assert "matches no files" in r.stderr and "Traceback" not in r.stderr
+
+
+def check_debug_run(r, run_dir, steps):
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "[node 0 rank 0] step 0/" in r.stdout and "tok/s" in r.stdout
+    assert f"done: {steps}/{steps} steps" in r.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps
+    # "learns": the final held-out loss is at most 0.7x the step-0 held-out loss
+    assert summary["heldout_loss"] <= 0.7 * summary["initial_heldout_loss"], summary
+    assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "loss.png").is_file()
+    return summary
+
+
+def test_debug_config_short(tmp_path):
+    r = run_cli(
+        "--config",
+        str(DEBUG),
+        "--run.runs_dir",
+        str(tmp_path),
+        "--train.steps",
+        "120",
+        "--eval.every",
+        "60",
+        "--ckpt.every",
+        "60",
+    )
+    check_debug_run(r, tmp_path / "debug", 120)
+    # a different config in the same run folder is refused, nothing overwritten
+    r2 = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), "--train.steps", "99")
+    assert r2.returncode == 2 and "different config" in r2.stderr and "train.steps" in r2.stderr
+    assert "Traceback" not in r2.stderr
+    # prime-train plot RUN_DIR redraws the curve for any run
+    out = tmp_path / "again.png"
+    r3 = run_cli("plot", str(tmp_path / "debug"), "--out", str(out))
+    assert r3.returncode == 0 and out.stat().st_size > 1000, r3.stderr
+    r4 = run_cli("plot", str(tmp_path / "nothing"))
+    assert r4.returncode == 2 and "no metrics.jsonl" in r4.stderr
+
+
+@pytest.mark.slow
+def test_debug_config_full(tmp_path):
+    r = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), timeout=290)
+    summary = check_debug_run(r, tmp_path / "debug", 500)
+    assert summary["tokens"] == 500 * 16 * 128

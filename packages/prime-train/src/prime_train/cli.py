@@ -1,36 +1,77 @@
-"""`prime-train`: train a model with DiLoCo across nodes.
+"""`prime-train`: train a model (DiLoCo across nodes; FSDP2 inside a node).
 
-Usage: prime-train --config FILE.toml [--section.key value ...]
+Usage:
+  prime-train --config FILE.toml [--section.key VALUE ...]
+  prime-train plot RUN_DIR [--out FILE.png]
+
+Settings come from, highest first: command-line overrides (--train.steps 20), environment
+variables PRIME_SECTION__KEY (PRIME_TRAIN__STEPS=20), the TOML file, then the defaults below.
+The shared secret is read from PRIME_TOKEN only. Re-running the same command resumes the run
+from its newest checkpoint; Ctrl-C or SIGTERM finishes the step, checkpoints and exits 0.
 """
+
+from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
+from prime_train.config_load import ConfigError, describe_fields, load_config
+
+
+def _fail(msg: str) -> int:
+    print(f"prime-train: {msg}", file=sys.stderr)
+    return 2
+
+
+def _plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="prime-train plot", description="Draw the loss curve of a run into a PNG."
+    )
+    parser.add_argument("run_dir", type=Path, help="a run folder, e.g. runs/debug")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="PNG path (default RUN_DIR/loss.png)"
+    )
+    args = parser.parse_args(argv)
+    from prime_train.metrics import plot_run
+
+    if not (args.run_dir / "metrics.jsonl").is_file():
+        return _fail(f"{args.run_dir} has no metrics.jsonl; pass a run folder such as runs/debug")
+    try:
+        out = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, OSError) as e:
+        return _fail(f"cannot plot {args.run_dir}: {e}")
+    print(f"wrote {out}")
+    return 0
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plot"]:
+        return _plot(argv[1:])
     parser = argparse.ArgumentParser(
         prog="prime-train",
         description=__doc__,
+        epilog="Settings (TOML table and key; --section.key VALUE on the command line):\n"
+        + describe_fields(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="path to a TOML config (see configs/)")
-    args, _overrides = parser.parse_known_args(argv)
-    path = Path(args.config)
-    if not path.is_file():
-        print(
-            f"prime-train: config file not found: {path} (pass an existing TOML file, "
-            "e.g. --config configs/debug.toml)",
-            file=sys.stderr,
-        )
-        return 2
+    args, overrides = parser.parse_known_args(argv)
     try:
-        path.read_bytes()
-    except OSError as e:
-        print(f"prime-train: cannot read config {path}: {e.strerror}", file=sys.stderr)
-        return 2
-    print("prime-train: the trainer is not implemented yet", file=sys.stderr)
-    return 1
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
+
+    from prime_train.rundir import RunDirError
+    from prime_train.tokens import DataError
+    from prime_train.trainer import train
+
+    try:
+        summary = train(cfg)
+    except (RunDirError, DataError) as e:
+        return _fail(str(e))
+    return 0 if summary is not None else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+"""The trainer's checkpoint state, saved and loaded through prime_ckpt.CheckpointManager.
+
+prime-train owns only *what* goes into a checkpoint (model shards, optimizer, data position,
+progress, RNG) as one nested dict; prime-ckpt owns the format, tiers and integrity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _manager_class():
+    try:
+        from prime_ckpt import CheckpointManager
+    except ImportError as e:  # prime-ckpt is a declared dependency; this is an install problem
+        raise RuntimeError(
+            f"checkpoints need prime_ckpt.CheckpointManager ({e}); reinstall the workspace "
+            "with `uv sync`"
+        ) from None
+    return CheckpointManager
+
+
+def available() -> bool:
+    try:
+        _manager_class()
+    except RuntimeError:
+        return False
+    return True
+
+
+def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """The optimizer's per-parameter tensors keyed by parameter name (stable across runs)."""
+    missing = [name for name, p in model.named_parameters() if p not in opt.state]
+    if missing:
+        # e.g. FSDP2 left parameters gathered after a forward without backward
+        raise RuntimeError(f"parameters without optimizer state: {missing[:3]}; reshard first")
+    return {name: opt.state[p] for name, p in model.named_parameters()}
+
+
+def train_state(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: dict[str, Any],
+    progress: dict[str, Any],
+) -> dict[str, Any]:
+    """Everything a resumed run needs, as tensors to fill in place and plain values."""
+    state: dict[str, Any] = {
+        "model": dict(model.named_parameters()),
+        "optim": optimizer_state(model, opt),
+        "data": dict(data),
+        "progress": dict(progress),
+        "rng": {"torch": torch.get_rng_state()},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["rng"]["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"]:
+        torch.cuda.set_rng_state(state["rng"]["cuda"])
+
+
+class Checkpointer:
+    """Saves every `every` steps (0: only on request) and resumes from the newest one."""
+
+    def __init__(
+        self,
+        disk_dir: Path,
+        every: int,
+        keep: int,
+        shm_dir: Path | None = None,
+        remote: str | None = None,
+        group: dist.ProcessGroup | None = None,
+    ):
+        self.disk_dir, self.every = disk_dir, every
+        kwargs: dict[str, Any] = {"shm_dir": shm_dir, "keep": keep, "group": group}
+        if remote is not None:
+            kwargs["remote"] = remote
+        self.manager = _manager_class()(disk_dir, **kwargs)
+        self.last_saved: int | None = None
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Returns once staged in RAM; disk/remote copies finish in the background."""
+        if self.last_saved == step:
+            return
+        self.manager.save(step, state)
+        self.last_saved = step
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        step = self.manager.load_latest(state, strict=True)
+        if step is not None:
+            self.last_saved = step
+        return step
+
+    def wait(self) -> None:
+        self.manager.wait()
+
+    def close(self) -> None:
+        close = getattr(self.manager, "close", None)
+        if callable(close):
+            close()

@@ -1,0 +1,199 @@
+"""The run's configuration: typed pydantic sections, one per TOML table.
+
+Every field has a default and a description; `prime-train --help` prints them. Sections
+`[launch]`, `[mesh]` and `[diloco]` are validated now but only used by the multi-node
+trainer (DiLoCo, part 2): a single node ignores them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+PRESETS = ("debug", "150M", "1B", "7B", "10B")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("default", description="run name; outputs go to RUNS_DIR/NAME")
+    runs_dir: Path = Field(Path("runs"), description="folder holding one sub-folder per run")
+    seed: int = Field(0, ge=0, description="seed for weights and data order")
+    log_every: int = Field(10, ge=1, description="print and record a progress line every N steps")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
+            raise ValueError("use letters, digits, '.', '_' or '-' (it names a folder)")
+        return v
+
+
+class ModelConfig(Section):
+    preset: Literal["debug", "150M", "1B", "7B", "10B"] = Field(
+        "debug", description="model shape: debug, 150M, 1B, 7B or 10B (INTELLECT-1 family)"
+    )
+    dim: int | None = Field(None, ge=8, description="override the preset's width")
+    n_layers: int | None = Field(None, ge=1, description="override the preset's depth")
+    n_heads: int | None = Field(None, ge=1, description="override the preset's attention heads")
+    n_kv_heads: int | None = Field(None, ge=1, description="override the preset's KV heads (GQA)")
+    vocab_size: int | None = Field(
+        None, ge=2, description="override the preset's vocabulary (debug: the tokenizer's)"
+    )
+
+
+class DataConfig(Section):
+    source: Literal["text", "synthetic"] = Field(
+        "text", description="'text' (files matching data.path) or 'synthetic' random tokens"
+    )
+    path: str = Field(
+        "{stdlib}/*.py",
+        description="text files: a folder or a glob; '{stdlib}' is Python's standard library",
+    )
+    tokenizer: str = Field(
+        "byte", description="'byte' (256 bytes + end-of-text) or a Hugging Face tokenizer.json"
+    )
+    seq_len: int = Field(128, ge=2, description="tokens per training sequence")
+    heldout_fraction: float = Field(
+        0.05, gt=0.0, lt=0.5, description="share of documents held out for evaluation"
+    )
+    cache_dir: Path | None = Field(
+        None, description="where tokenized files are cached (default RUNS_DIR/.token-cache)"
+    )
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1, description="optimizer steps in the whole run")
+    batch_size: int = Field(8, ge=1, description="sequences per rank per step")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' uses CUDA when present, else CPU"
+    )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="'auto': bf16 mixed precision on CUDA, float32 on CPU"
+    )
+    grad_clip: float = Field(1.0, ge=0.0, description="max gradient norm (0 disables clipping)")
+    activation_checkpointing: bool = Field(False, description="recompute blocks in backward")
+    compile: bool = Field(False, description="torch.compile each transformer block")
+    cpu_offload: bool = Field(False, description="FSDP2 CPU offload of parameters and grads")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-4, gt=0.0, description="peak learning rate of AdamW")
+    weight_decay: float = Field(0.1, ge=0.0, description="AdamW weight decay")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon")
+    schedule: Literal["cosine", "wsd", "constant"] = Field(
+        "cosine", description="'cosine', 'wsd' (warmup-stable-decay) or 'constant' after warmup"
+    )
+    warmup_steps: int = Field(100, ge=0, description="linear warmup steps")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a share of lr")
+    decay_fraction: float = Field(
+        0.2, gt=0.0, le=1.0, description="wsd: share of steps spent decaying at the end"
+    )
+
+
+class EvalConfig(Section):
+    every: int = Field(100, ge=0, description="held-out evaluation every N steps (0: only at end)")
+    batches: int = Field(4, ge=1, description="held-out batches per evaluation")
+
+
+class CkptConfig(Section):
+    every: int = Field(100, ge=0, description="checkpoint every N steps (0: only when stopping)")
+    keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+    dir: Path | None = Field(None, description="checkpoint folder (default RUNS_DIR/NAME/ckpt)")
+    shm_dir: Path | None = Field(None, description="RAM tier folder, e.g. /dev/shm/prime")
+    remote: str | None = Field(None, description="fsspec URL for a remote copy (s3://...)")
+
+
+class LaunchConfig(Section):
+    local_nodes: int = Field(
+        1, ge=1, le=64, description="nodes simulated as local processes (multi-node: part 2)"
+    )
+
+
+class MeshConfig(Section):
+    coordinator: str | None = Field(None, description="HOST:PORT of the mesh coordinator")
+    host: str | None = Field(None, description="address peers use to reach this node")
+    heartbeat_interval_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
+    heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="silence before eviction")
+    token: SecretStr | None = Field(
+        None, description="shared secret; only from PRIME_TOKEN, never on the command line"
+    )
+
+    @field_validator("coordinator")
+    @classmethod
+    def _hostport(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("write it as HOST:PORT, e.g. 10.0.0.1:29500")
+        return v
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> MeshConfig:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                "heartbeat_timeout_s must exceed heartbeat_interval_s "
+                f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
+            )
+        return self
+
+
+class DilocoConfig(Section):
+    inner_steps: int = Field(50, ge=1, description="H: inner steps between outer steps")
+    outer_lr: float = Field(0.7, gt=0.0, description="outer SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer Nesterov momentum")
+    compression: Literal["uint8", "none"] = Field(
+        "uint8", description="pseudo-gradient all-reduce: 'uint8' or 'none' (float32)"
+    )
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    eval: EvalConfig = EvalConfig()
+    ckpt: CkptConfig = CkptConfig()
+    launch: LaunchConfig = LaunchConfig()
+    mesh: MeshConfig = MeshConfig()
+    diloco: DilocoConfig = DilocoConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.runs_dir / self.run.name
+
+    def saved(self) -> dict[str, Any]:
+        """The config as written into the run folder: JSON types, secrets left out."""
+        d = self.model_dump(mode="json")
+        d["mesh"].pop("token", None)
+        return d
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match to resume a run: everything but logging and where peers live."""
+        d = self.saved()
+        d["run"].pop("log_every")
+        d.pop("mesh")
+        return d
+
+    def fingerprint_hash(self) -> str:
+        blob = json.dumps(self.fingerprint(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: info.annotation  # type: ignore[misc]
+    for name, info in Config.model_fields.items()
+}
+SECRET_KEYS = {("mesh", "token")}

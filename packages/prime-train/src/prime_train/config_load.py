@@ -1,0 +1,200 @@
+"""Build a Config from its four sources: command line > PRIME_SECTION__KEY env > TOML > defaults.
+
+Every mistake becomes a ConfigError whose message names the key, where it came from and the
+fix, so the CLI can print one or two lines and exit 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from prime_train.config import SECRET_KEYS, SECTIONS, Config
+
+ENV_PREFIX = "PRIME_"
+TOKEN_ENV = "PRIME_TOKEN"
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; the message says what and how to fix it."""
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
+def _check_key(section: str, key: str | None, where: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"unknown section `{section}` ({where}){_suggest(section, list(SECTIONS))} "
+            f"Sections: {', '.join(SECTIONS)}."
+        )
+    if key is None:
+        return
+    fields = SECTIONS[section].model_fields
+    if key not in fields:
+        names = [f"{section}.{k}" for k in fields]
+        raise ConfigError(
+            f"unknown key `{section}.{key}` ({where}){_suggest(f'{section}.{key}', names)} "
+            f"Keys of [{section}]: {', '.join(k for k in fields if (section, k) not in SECRET_KEYS)}."
+        )
+
+
+def _annotation_wants_list(section: str, key: str) -> bool:
+    ann = SECTIONS[section].model_fields[key].annotation
+    return any(typing.get_origin(a) in (list, tuple) for a in (ann, *typing.get_args(ann)))
+
+
+def _allows_none(section: str, key: str) -> bool:
+    ann = SECTIONS[section].model_fields[key].annotation
+    return type(None) in typing.get_args(ann)
+
+
+def _from_string(section: str, key: str, raw: str) -> Any:
+    """A command-line or environment value: pydantic coerces strings; lists use TOML syntax."""
+    if raw.lower() in ("none", "null") and _allows_none(section, key):
+        return None
+    if _annotation_wants_list(section, key):
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            return raw
+    return raw
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(
+            f"config file not found: {path} (pass an existing TOML file, "
+            "e.g. --config configs/debug.toml)"
+        )
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}; fix the file and rerun") from None
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+    """`--section.key value` or `--section.key=value` pairs; a bare flag means true."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unexpected argument `{arg}`; overrides look like --section.key VALUE "
+                "(e.g. --train.steps 20), see prime-train --help"
+            )
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+                i += 1
+            else:
+                value = "true"
+        out.append((name, value))
+        i += 1
+    return out
+
+
+def _set(tree: dict[str, Any], section: str, key: str, value: Any, origin: dict, where: str):
+    if not isinstance(tree.setdefault(section, {}), dict):
+        raise ConfigError(f"`{section}` must be a [table] of keys ({where})")
+    tree[section][key] = value
+    origin[(section, key)] = where
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Merge defaults, the TOML file, the environment and command-line overrides."""
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = {}
+    origin: dict[tuple[str, str], str] = {}
+
+    if path is not None:
+        path = Path(path)
+        for section, table in read_toml(path).items():
+            where = f"in {path}"
+            _check_key(section, None, where)
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"`{section}` must be a table like [{section}] ({where}), not a value"
+                )
+            for key, value in table.items():
+                _check_key(section, key, f"{where}, [{section}]")
+                _set(tree, section, key, value, origin, where)
+
+    for name, raw in sorted(env.items()):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        where = f"from environment {name}"
+        _check_key(section, key, where)
+        _set(tree, section, key, _from_string(section, key, raw), origin, where)
+    if TOKEN_ENV in env and ("mesh", "token") not in origin:
+        _set(tree, "mesh", "token", env[TOKEN_ENV], origin, f"from environment {TOKEN_ENV}")
+
+    for name, raw in parse_overrides(overrides):
+        section, _, key = name.partition(".")
+        where = f"from --{name}"
+        _check_key(section, key, where)
+        if (section, key) in SECRET_KEYS:
+            raise ConfigError(
+                f"--{name} is refused: a secret on the command line is visible to every user "
+                f"of this machine; export {TOKEN_ENV}=... instead"
+            )
+        _set(tree, section, key, _from_string(section, key, raw), origin, where)
+
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, tree, origin)) from None
+
+
+def _explain(e: ValidationError, tree: dict, origin: dict) -> str:
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    section = loc[0] if loc else "?"
+    key = loc[1] if len(loc) > 1 else None
+    msg = err["msg"].removeprefix("Value error, ")
+    if key is None or key not in SECTIONS.get(section, Config).model_fields:
+        where = next((w for (s, _), w in origin.items() if s == section), "")
+        return f"invalid [{section}] settings ({where}): {msg}"
+    field = SECTIONS[section].model_fields[key]
+    shown = "<hidden>" if (section, key) in SECRET_KEYS else repr(tree[section].get(key))
+    more = (
+        f" ({len(e.errors()) - 1} more error(s) after fixing this)" if len(e.errors()) > 1 else ""
+    )
+    return (
+        f"`{section}.{key}` = {shown} ({origin.get((section, key), 'default')}) is invalid: "
+        f"{msg}.{more}\n  Fix: {section}.{key} is {field.description}; "
+        f"default {field.default!r}. See prime-train --help."
+    )
+
+
+def describe_fields() -> str:
+    """The field reference printed by `prime-train --help`."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        for key, field in cls.model_fields.items():
+            default = field.default
+            if isinstance(default, Path):
+                default = str(default)
+            lines.append(f"  --{section}.{key} (default {default!r}): {field.description}")
+    return "\n".join(lines)

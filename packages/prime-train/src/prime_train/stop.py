@@ -1,0 +1,44 @@
+"""Stopping cleanly: SIGINT/SIGTERM ask the loop to stop after the current step."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prime_train.parallel import Placement
+
+
+class StopSignal:
+    """SIGINT/SIGTERM ask to stop after the current step; a second signal stops at once."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+        for sig, old in self._old.items():  # a second signal gets the default behaviour
+            signal.signal(sig, old)
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def agreed(self, placement: Placement) -> bool:
+        """True on every rank of the node once any rank was signalled."""
+        if placement.world_size == 1:
+            return self.signal is not None
+        flag = torch.tensor([1.0 if self.signal else 0.0], device=placement.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=placement.group)
+        return bool(flag.item() > 0)

@@ -1,0 +1,94 @@
+"""The end of a run: the summary printed, saved as summary.json, and the loss plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prime_train.metrics import Log, plot_run, read_metrics, write_atomic
+
+if TYPE_CHECKING:
+    from prime_train.trainer import Run
+
+
+@dataclass
+class Summary:
+    steps: int
+    final_loss: float | None
+    heldout_loss: float | None
+    initial_heldout_loss: float | None
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    run_dir: str
+    checkpoint_dir: str | None
+    plot: str | None
+    stopped_by: str | None = None
+    resumed_from: int | None = None
+
+
+def finish(
+    cfg,
+    run: Run,
+    placement,
+    log: Log,
+    step,
+    start,
+    last_loss,
+    eval_loss,
+    stopped_by,
+    seconds,
+    session_tokens,
+) -> Summary:
+    records = read_metrics(run.metrics.path) if run.metrics.path else []
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    initial = evals[0] if evals else None
+    if last_loss is None:
+        losses = [r["loss"] for r in records if "loss" in r]
+        last_loss = losses[-1] if losses else None
+    if eval_loss is None and evals:
+        eval_loss = evals[-1]
+    plot = None
+    if run.metrics.path is not None and records:
+        run.metrics.close()
+        plot = str(plot_run(run.run_dir))
+    summary = Summary(
+        steps=step,
+        final_loss=last_loss,
+        heldout_loss=eval_loss,
+        initial_heldout_loss=initial,
+        tokens=int(run.progress["tokens"]),
+        seconds=seconds,
+        tokens_per_s=session_tokens / seconds if seconds > 0 else 0.0,
+        run_dir=str(run.run_dir),
+        checkpoint_dir=str(run.ckpt_dir),
+        plot=plot,
+        stopped_by=stopped_by,
+        resumed_from=start or None,
+    )
+    if not run.primary:
+        return summary
+    summary_file = run.run_dir / (
+        "summary.json" if placement.node == 0 else f"summary-node{placement.node}.json"
+    )
+    if session_tokens or not summary_file.exists():  # a no-op rerun keeps the real figures
+        write_atomic(summary_file, json.dumps(asdict(summary), indent=2) + "\n")
+    ratio = (
+        f" ({eval_loss / initial:.2f}x the step-0 {initial:.4f})"
+        if eval_loss is not None and initial
+        else ""
+    )
+    log.info(
+        f"{'stopped' if stopped_by else 'done'}: {step}/{cfg.train.steps} steps | "
+        f"train loss {_fmt(last_loss)} | held-out loss {_fmt(eval_loss)}{ratio} | "
+        f"{summary.tokens:,} tokens | {seconds:.1f} s, {summary.tokens_per_s:,.0f} tok/s\n"
+        f"  run folder {run.run_dir} ({summary_file.name}, metrics"
+        f"{', ' + Path(plot).name if plot else ''}); checkpoints in {run.ckpt_dir}"
+    )
+    return summary
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.4f}"

@@ -1,0 +1,302 @@
+"""The training loop of one node: FSDP2 inner steps, evaluation, checkpoints, clean stops.
+
+`train()` is the loop; `Run` holds what it works on (model, optimizer, data, metrics,
+checkpoints), built from the config. DiLoCo (part 2) plugs in as one call, `outer.step`,
+every `diloco.inner_steps` steps.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from prime_train import checkpointing
+from prime_train.config import Config
+from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
+from prime_train.metrics import Log, Metrics
+from prime_train.model import Transformer, model_args, num_params
+from prime_train.optim import lr_at, make_optimizer, set_lr
+from prime_train.parallel import Placement, build_model, init_placement, reshard
+from prime_train.rundir import claim_run_dir
+from prime_train.stop import StopSignal
+from prime_train.summary import Summary, finish
+from prime_train.tokens import build_token_cache, make_tokenizer
+
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+
+
+class OuterStep(Protocol):
+    """The DiLoCo outer step (part 2): sync the node replicas after H inner steps."""
+
+    def step(self, step: int) -> None: ...
+
+
+class Run:
+    """The model, optimizer, data, metrics and checkpoints of one node's run."""
+
+    def __init__(self, cfg: Config, placement: Placement, log: Log):
+        self.cfg, self.placement, self.log = cfg, placement, log
+        self.primary = placement.rank == 0
+        self.run_dir = claim_run_dir(cfg, write=self.primary and placement.node == 0)
+        self.device = placement.device
+        shards = placement.num_nodes * placement.world_size
+        shard = placement.node * placement.world_size + placement.rank
+
+        vocab, train_seqs, held_seqs = self._data()
+        args = model_args(
+            cfg.model.preset,
+            dim=cfg.model.dim,
+            n_layers=cfg.model.n_layers,
+            n_heads=cfg.model.n_heads,
+            n_kv_heads=cfg.model.n_kv_heads,
+            vocab_size=vocab,
+            max_seq_len=cfg.data.seq_len,
+        )
+        with torch.device("meta"):
+            self.model = Transformer(args)
+        self.bf16 = build_model(self.model, placement, cfg.train, seed=cfg.run.seed)
+        self.opt = make_optimizer(self.model, cfg.optim)
+        self.params = list(self.model.parameters())
+
+        B = cfg.train.batch_size
+        # synthetic sequences are already random: no permutation of their 2**30 indices
+        self.loader = ShardedLoader(
+            train_seqs, B, shard, shards, seed=cfg.run.seed, shuffle=cfg.data.source != "synthetic"
+        )
+        self.eval_set = eval_batches(
+            held_seqs, B, cfg.eval.batches, placement.rank, placement.world_size
+        )
+        self.tokens_per_step = B * cfg.data.seq_len * placement.world_size
+        self.progress: dict[str, Any] = {"step": 0, "tokens": 0, "train_seconds": 0.0}
+
+        node_suffix = "" if placement.node == 0 else f"-node{placement.node}"
+        self.metrics = Metrics(
+            self.run_dir / f"metrics{node_suffix}.jsonl" if self.primary else None
+        )
+        self.ckpt_dir = cfg.ckpt.dir or self.run_dir / f"ckpt{node_suffix}"
+        group = placement.group if placement.world_size > 1 else None
+        self.ckpt: checkpointing.Checkpointer | None = None
+        if checkpointing.available():
+            self.ckpt = checkpointing.Checkpointer(
+                self.ckpt_dir,
+                cfg.ckpt.every,
+                cfg.ckpt.keep,
+                cfg.ckpt.shm_dir,
+                cfg.ckpt.remote,
+                group,
+            )
+        else:
+            log.warn("prime_ckpt.CheckpointManager is not installed: no checkpoints, no resume")
+        self.log.info(
+            f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
+            f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, FSDP2 over "
+            f"{placement.world_size} rank(s); {len(train_seqs)} train / {len(held_seqs)} held-out "
+            f"sequences of {cfg.data.seq_len} tokens"
+        )
+
+    def _data(self):
+        cfg, p = self.cfg, self.placement
+        if cfg.data.source == "synthetic":
+            vocab = cfg.model.vocab_size or (257 if cfg.model.preset == "debug" else None)
+            vocab = vocab or model_args(cfg.model.preset).vocab_size
+            return (
+                vocab,
+                SyntheticSequences(vocab, cfg.data.seq_len, cfg.run.seed),
+                SyntheticSequences(vocab, cfg.data.seq_len, cfg.run.seed + 10**6),
+            )
+        tok = make_tokenizer(cfg.data.tokenizer)
+        cache = cfg.data.cache_dir or cfg.run.runs_dir / ".token-cache"
+        # rank 0 tokenizes, the others then find the cache ready
+        if not self.primary:
+            dist.barrier(group=p.group)
+        files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
+        if self.primary and p.world_size > 1:
+            dist.barrier(group=p.group)
+        preset_vocab = model_args(cfg.model.preset).vocab_size
+        vocab = cfg.model.vocab_size or (
+            tok.vocab_size if cfg.model.preset == "debug" else preset_vocab
+        )
+        if tok.vocab_size > vocab:
+            raise ValueError(
+                f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}; "
+                f"set model.vocab_size >= {tok.vocab_size}"
+            )
+        seq = cfg.data.seq_len
+        return vocab, TokenSequences(files.train, seq), TokenSequences(files.heldout, seq)
+
+    def inner_step(self, step: int) -> torch.Tensor:
+        """One optimizer step on the next batch; returns the loss (not synchronised)."""
+        inputs, targets = self.loader.next_batch()
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        set_lr(self.opt, lr_at(step, self.cfg.optim, self.cfg.train.steps))
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.progress["tokens"] += self.tokens_per_step
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over this node's fixed evaluation batches."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for inputs, targets in self.eval_set:
+            logits = self.model(inputs.to(self.device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+            total += torch.stack(
+                [loss.double(), torch.ones((), dtype=torch.float64, device=self.device)]
+            )
+        self.all_reduce_sum(total)
+        reshard(self.model)
+        return float(total[0] / total[1])
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        if self.placement.world_size > 1:
+            dist.all_reduce(t, group=self.placement.group)
+
+    def state(self) -> dict[str, Any]:
+        return checkpointing.train_state(
+            self.model, self.opt, self.loader.state_dict(), self.progress
+        )
+
+    def checkpoint(self, step: int) -> None:
+        self.progress["step"] = step
+        if self.ckpt is not None:
+            self.ckpt.save(step, self.state())
+
+    def resume(self) -> int:
+        """Load the newest checkpoint in place; returns its step (0 for a fresh run)."""
+        if self.ckpt is None:
+            return 0
+        state = self.state()
+        step = self.ckpt.load_latest(state)
+        if step is None:
+            return 0
+        self.loader.load_state_dict(state["data"])
+        self.progress.update(state["progress"])
+        checkpointing.restore_rng(state)
+        return step
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+
+def train(
+    cfg: Config,
+    placement: Placement | None = None,
+    outer: OuterStep | None = None,
+    log: Log | None = None,
+) -> Summary:
+    """Train one node to `train.steps`, resuming from its newest checkpoint if any."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    placement = placement or init_placement(cfg.train)
+    log = log or Log(placement.prefix, primary=placement.rank == 0)
+    if cfg.launch.local_nodes > 1 and outer is None:
+        log.warn(
+            f"launch.local_nodes = {cfg.launch.local_nodes} needs DiLoCo (prime-train "
+            "part 2); training a single node"
+        )
+    run = Run(cfg, placement, log)
+    try:
+        return _loop(cfg, run, placement, outer, log)
+    finally:
+        run.close()
+        placement.close()
+
+
+def _loop(
+    cfg: Config, run: Run, placement: Placement, outer: OuterStep | None, log: Log
+) -> Summary:
+    total = cfg.train.steps
+    start = run.resume()
+    if start:
+        log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
+    if start >= total:
+        log.info(f"the run is already complete ({start}/{total} steps); nothing to do")
+    run.metrics.open(start)
+    eval_loss: float | None = None
+    if start == 0:
+        eval_loss = run.evaluate()
+        run.metrics.write({"step": 0, "eval_loss": eval_loss})
+        log.info(f"step 0/{total} | held-out loss {eval_loss:.4f}")
+
+    window_loss, window_steps, window_t = torch.zeros((), device=run.device), 0, time.perf_counter()
+    last_loss: float | None = None
+    session_t0, session_tokens = time.perf_counter(), 0
+    step = start
+    with StopSignal() as stop:
+        for step in range(start + 1, total + 1):
+            window_loss += run.inner_step(step)
+            window_steps += 1
+            session_tokens += run.tokens_per_step
+
+            # DiLoCo (part 2): every H inner steps, one outer step syncs the node replicas
+            if outer is not None and step % cfg.diloco.inner_steps == 0:
+                outer.step(step)
+
+            if step % cfg.run.log_every == 0 or step == total:
+                mean = window_loss.double() / (window_steps * placement.world_size)
+                run.all_reduce_sum(mean)
+                secs = time.perf_counter() - window_t
+                run.progress["train_seconds"] += secs
+                tps = window_steps * run.tokens_per_step / secs
+                last_loss = float(mean)
+                lr = lr_at(step, cfg.optim, total)
+                run.metrics.write(
+                    {
+                        "step": step,
+                        "loss": last_loss,
+                        "lr": lr,
+                        "tokens": run.progress["tokens"],
+                        "tokens_per_s": tps,
+                    }
+                )
+                log.info(
+                    f"step {step}/{total} | loss {last_loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s"
+                )
+                window_loss.zero_()
+                window_steps = 0
+                window_t = time.perf_counter()
+
+            stopping = stop.agreed(placement)
+            paused = time.perf_counter()
+            if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
+                eval_loss = run.evaluate()
+                run.metrics.write({"step": step, "eval_loss": eval_loss})
+                log.info(f"step {step}/{total} | held-out loss {eval_loss:.4f}")
+            if stopping or step == total or (run.ckpt and run.ckpt.due(step)):
+                run.checkpoint(step)
+            if stopping:
+                log.info(
+                    f"{stop.signal} received: stopped after step {step} and checkpointed; "
+                    "rerun the same command to resume"
+                )
+                break
+            window_t += time.perf_counter() - paused  # eval and checkpoints are not training
+    if run.ckpt is not None:
+        run.ckpt.wait()
+    return finish(
+        cfg,
+        run,
+        placement,
+        log,
+        step,
+        start,
+        last_loss,
+        eval_loss,
+        stop.signal,
+        time.perf_counter() - session_t0,
+        session_tokens,
+    )

@@ -1,0 +1,176 @@
+"""Config parsing: precedence, every error path, secrets, --help."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prime_train.config import Config
+from prime_train.config_load import ConfigError, describe_fields, load_config, parse_overrides
+from prime_train.rundir import RunDirError, claim_run_dir
+
+REPO = Path(__file__).resolve().parents[3]
+DEBUG = REPO / "configs" / "debug.toml"
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_without_file():
+    cfg = load_config(None, [], env={})
+    assert cfg == Config()
+    assert cfg.diloco.outer_lr == 0.7 and cfg.diloco.outer_momentum == 0.9
+    assert cfg.diloco.compression == "uint8" and cfg.launch.local_nodes == 1
+
+
+def test_precedence_cli_over_env_over_toml_over_default(tmp_path):
+    p = write(tmp_path, "[train]\nsteps = 5\nbatch_size = 3\n[optim]\nlr = 0.5\n")
+    env = {"PRIME_TRAIN__STEPS": "7", "PRIME_OPTIM__LR": "0.25"}
+    cfg = load_config(p, ["--train.steps", "9"], env=env)
+    assert cfg.train.steps == 9  # command line beats env and TOML
+    assert cfg.optim.lr == 0.25  # env beats TOML
+    assert cfg.train.batch_size == 3  # TOML beats default
+    assert cfg.optim.weight_decay == 0.1  # default
+    cfg = load_config(p, ["--train.steps=11", "--train.compile"], env={})
+    assert cfg.train.steps == 11 and cfg.train.compile is True
+
+
+def test_optional_values_and_types_from_strings(tmp_path):
+    cfg = load_config(
+        None,
+        ["--model.dim", "64", "--data.cache_dir", "/tmp/x", "--ckpt.shm_dir", "none"],
+        env={"PRIME_TRAIN__ACTIVATION_CHECKPOINTING": "true"},
+    )
+    assert cfg.model.dim == 64 and cfg.data.cache_dir == Path("/tmp/x")
+    assert cfg.ckpt.shm_dir is None and cfg.train.activation_checkpointing is True
+
+
+def test_shipped_configs_parse():
+    names = sorted(p.name for p in (REPO / "configs").glob("*.toml"))
+    assert {"debug.toml", "150M.toml", "1B.toml", "10B.toml"} <= set(names)
+    for name in names:
+        load_config(REPO / "configs" / name, [], env={})
+    big = load_config(REPO / "configs" / "10B.toml", [], env={})
+    assert big.model.preset == "10B" and big.optim.schedule == "wsd"
+
+
+@pytest.mark.parametrize(
+    ("toml", "args", "env", "expect"),
+    [
+        ("[train]\nstepz = 3\n", [], {}, ["train.stepz", "did you mean `train.steps`"]),
+        ("[trian]\nsteps = 3\n", [], {}, ["trian", "did you mean `train`"]),
+        (
+            "",
+            ["--optim.wieght_decay", "1"],
+            {},
+            ["optim.wieght_decay", "did you mean `optim.weight_decay`"],
+        ),
+        ("", [], {"PRIME_TRAIN__BATCHSIZE": "3"}, ["PRIME_TRAIN__BATCHSIZE", "train.batch_size"]),
+        ("[train]\nsteps = 'many'\n", [], {}, ["train.steps", "'many'", "integer", "Fix:"]),
+        ("", ["--train.steps", "0"], {}, ["train.steps", "from --train.steps", "greater than"]),
+        ("", ["--model.preset", "3B"], {}, ["model.preset", "'debug'", "'10B'"]),
+        ("", ["--data.heldout_fraction", "0.9"], {}, ["data.heldout_fraction", "less than 0.5"]),
+        ("", ["--mesh.coordinator", "nohost"], {}, ["mesh.coordinator", "HOST:PORT"]),
+        ("", ["--diloco.compression", "fp8"], {}, ["diloco.compression", "'uint8'", "'none'"]),
+        ("", ["--run.name", "a/b"], {}, ["run.name", "names a folder"]),
+        ("", ["--mesh.heartbeat_timeout_s", "0.5"], {}, ["heartbeat_timeout_s must exceed"]),
+        ("train = 3\n", [], {}, ["`train` must be a table"]),
+        ("[train\n", [], {}, ["not valid TOML"]),
+        ("", ["steps", "3"], {}, ["unexpected argument `steps`", "--section.key"]),
+        ("", ["--mesh.token", "s3cret"], {}, ["refused", "PRIME_TOKEN"]),
+    ],
+)
+def test_errors_name_the_key_and_the_fix(tmp_path, toml, args, env, expect):
+    p = write(tmp_path, toml)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, args, env=env)
+    msg = str(e.value)
+    for piece in expect:
+        assert piece in msg, (piece, msg)
+    assert len(msg.splitlines()) <= 2
+    assert "s3cret" not in msg
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml", [], env={})
+
+
+def test_token_from_env_never_saved(tmp_path):
+    cfg = load_config(None, ["--run.runs_dir", str(tmp_path)], env={"PRIME_TOKEN": "s3cret"})
+    assert cfg.mesh.token.get_secret_value() == "s3cret"
+    assert "s3cret" not in repr(cfg)
+    claim_run_dir(cfg, write=True)
+    text = (cfg.run_dir / "config.json").read_text()
+    assert "s3cret" not in text and "token" not in json.loads(text)["mesh"]
+    assert json.loads(text)["train"]["steps"] == cfg.train.steps
+
+
+def test_run_dir_with_other_config_is_refused(tmp_path):
+    cfg = load_config(None, ["--run.runs_dir", str(tmp_path)], env={})
+    claim_run_dir(cfg, write=True)
+    claim_run_dir(cfg, write=True)  # same config: fine (a resume)
+    same_but_logging = load_config(None, ["--run.runs_dir", str(tmp_path), "--run.log_every", "3"])
+    claim_run_dir(same_but_logging, write=True)
+    other = load_config(None, ["--run.runs_dir", str(tmp_path), "--train.steps", "5"], env={})
+    with pytest.raises(RunDirError, match=r"train.steps: 1000 -> 5.*another --run.name"):
+        claim_run_dir(other, write=True)
+    assert json.loads((cfg.run_dir / "config.json").read_text())["train"]["steps"] == 1000
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a.b", "1", "--c.d=2", "--e.f"]) == [
+        ("a.b", "1"),
+        ("c.d", "2"),
+        ("e.f", "true"),
+    ]
+
+
+def test_describe_fields_covers_every_key():
+    text = describe_fields()
+    for section, cls in Config.model_fields.items():
+        for key in cls.annotation.model_fields:
+            assert f"--{section}.{key} " in text
+
+
+def run_cli(*args, env=None, cwd=None):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "prime_train.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full_env,
+        cwd=cwd,
+    )
+
+
+def test_cli_config_errors_exit_2_without_traceback(tmp_path):
+    bad = write(tmp_path, "[train]\nstepz = 3\n")
+    r = run_cli("--config", str(bad))
+    assert r.returncode == 2, r.stderr
+    assert "did you mean `train.steps`" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2
+    r = run_cli("--config", str(DEBUG), "--mesh.token", "s3cret")
+    assert r.returncode == 2 and "PRIME_TOKEN" in r.stderr and "s3cret" not in r.stderr
+    r = run_cli("--config", str(DEBUG), env={"PRIME_TRAIN__STEPS": "-1"})
+    assert r.returncode == 2 and "PRIME_TRAIN__STEPS" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_help_documents_fields():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for piece in (
+        "--train.steps",
+        "--diloco.outer_lr",
+        "--launch.local_nodes",
+        "PRIME_TOKEN",
+        "PRIME_SECTION__KEY",
+    ):
+        assert piece in r.stdout
