@@ -80,3 +80,14 @@ def test_save_on_2_ranks_load_on_1_and_back_on_2(children, tmp_path):
     outs = run_phase(children, "load2", 2, tmp_path)
     # same world size: each rank restored step 3 and could use its own RAM copy
     assert all("copies of step 3: ['disk', 'ram']" in o for o in outs), outs
+
+
+@pytest.mark.slow
+def test_one_rank_failing_aborts_the_commit_and_keeps_older(children, tmp_path):
+    outs = run_phase(children, "fail2", 2, tmp_path)
+    assert all("step 2 failed" in o for o in outs), outs
+    assert "No space left" in outs[1] and "rank 1 failed to write its shard" in outs[0], outs
+    d = tmp_path / "fail"
+    assert sorted(p.name for p in d.iterdir()) == ["step-0000000001", "step-0000000003"]
+    for s in ("step-0000000001", "step-0000000003"):
+        assert verify_dir(d / s) == []
