@@ -25,6 +25,7 @@ from prime_ckpt.manifest import (
     FileEntry,
     Manifest,
     committed_steps,
+    fsync_dir,
     is_leased,
     parse_step_dirname,
     read_manifest,
@@ -40,14 +41,6 @@ TRASH_PREFIX = ".trash-"
 
 class CommitError(RuntimeError):
     """The disk copy of a checkpoint could not be committed."""
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def copy_hashed(src: Path, dst: Path | None, step: int, fault_point: str | None = None):
