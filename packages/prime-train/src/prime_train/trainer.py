@@ -7,8 +7,10 @@ every `diloco.inner_steps` steps.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +33,11 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 
 
 class OuterStep(Protocol):
-    """The DiLoCo outer step (part 2): sync the node replicas after H inner steps."""
+    """The DiLoCo outer step (part 2): sync the node replicas after H inner steps.
+
+    If it also has `state_dict()` returning its tensors (outer weights, momentum), they are
+    saved in every checkpoint under "outer" and loaded back in place on resume.
+    """
 
     def step(self, step: int) -> None: ...
 
@@ -73,6 +79,7 @@ class Run:
         )
         self.tokens_per_step = B * cfg.data.seq_len * placement.world_size
         self.progress: dict[str, Any] = {"step": 0, "tokens": 0, "train_seconds": 0.0}
+        self.extra_state: dict[str, Any] = {}  # more checkpointed state, e.g. DiLoCo's
 
         node_suffix = "" if placement.node == 0 else f"-node{placement.node}"
         self.metrics = Metrics(
@@ -159,12 +166,21 @@ class Run:
         reshard(self.model)
         return float(total[0] / total[1])
 
+    def evaluate_and_record(self, step: int) -> float:
+        loss = self.evaluate()
+        self.metrics.write({"step": step, "eval_loss": loss})
+        self.log.info(f"step {step}/{self.cfg.train.steps} | held-out loss {loss:.4f}")
+        return loss
+
+    def checkpoint_due(self, step: int) -> bool:
+        return self.ckpt is not None and self.ckpt.due(step)
+
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         if self.placement.world_size > 1:
             dist.all_reduce(t, group=self.placement.group)
 
     def state(self) -> dict[str, Any]:
-        return checkpointing.train_state(
+        return self.extra_state | checkpointing.train_state(
             self.model, self.opt, self.loader.state_dict(), self.progress
         )
 
@@ -192,33 +208,91 @@ class Run:
             self.ckpt.close()
 
 
+class Meter:
+    """Mean loss and tokens/s over the steps since the last progress line."""
+
+    def __init__(self, run: Run, log: Log):
+        self.run, self.log = run, log
+        self.loss = torch.zeros((), device=run.device)
+        self.steps, self.session_tokens = 0, 0
+        self.last_loss: float | None = None
+        self.t0 = self.window_t = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss  # no host sync until the next report
+        self.steps += 1
+        self.session_tokens += self.run.tokens_per_step
+
+    def report(self, step: int) -> None:
+        run = self.run
+        mean = self.loss.double() / (self.steps * run.placement.world_size)
+        run.all_reduce_sum(mean)
+        secs = time.perf_counter() - self.window_t
+        run.progress["train_seconds"] += secs
+        tps = self.steps * run.tokens_per_step / secs
+        self.last_loss = float(mean)
+        lr = lr_at(step, run.cfg.optim, run.cfg.train.steps)
+        run.metrics.write(
+            {
+                "step": step,
+                "loss": self.last_loss,
+                "lr": lr,
+                "tokens": run.progress["tokens"],
+                "tokens_per_s": tps,
+            }
+        )
+        self.log.info(
+            f"step {step}/{run.cfg.train.steps} | loss {self.last_loss:.4f} | "
+            f"lr {lr:.2e} | {tps:,.0f} tok/s"
+        )
+        self.loss.zero_()
+        self.steps = 0
+        self.window_t = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_t += time.perf_counter() - t
+
+
 def train(
     cfg: Config,
     placement: Placement | None = None,
-    outer: OuterStep | None = None,
+    make_outer: Callable[[Run], OuterStep] | None = None,
     log: Log | None = None,
 ) -> Summary:
-    """Train one node to `train.steps`, resuming from its newest checkpoint if any."""
+    """Train one node to `train.steps`, resuming from its newest checkpoint if any.
+
+    `placement` defaults to this process alone (or torchrun's group); `make_outer(run)`
+    builds the DiLoCo outer step from the built model (`run.model`), before the resume.
+    """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     placement = placement or init_placement(cfg.train)
     log = log or Log(placement.prefix, primary=placement.rank == 0)
-    if cfg.launch.local_nodes > 1 and outer is None:
+    if cfg.launch.local_nodes > 1 and make_outer is None:
         log.warn(
             f"launch.local_nodes = {cfg.launch.local_nodes} needs DiLoCo (prime-train "
             "part 2); training a single node"
         )
     run = Run(cfg, placement, log)
+    outer = make_outer(run) if make_outer is not None else None
+    if outer is not None and callable(getattr(outer, "state_dict", None)):
+        run.extra_state["outer"] = outer.state_dict()  # type: ignore[attr-defined]
     try:
-        return _loop(cfg, run, placement, outer, log)
+        return train_loop(cfg, run, placement, outer, log)
     finally:
         run.close()
         placement.close()
 
 
-def _loop(
+def train_loop(
     cfg: Config, run: Run, placement: Placement, outer: OuterStep | None, log: Log
 ) -> Summary:
+    """The loop: inner steps, the outer-step seam, progress lines, evaluation, checkpoints."""
     total = cfg.train.steps
     start = run.resume()
     if start:
@@ -228,63 +302,32 @@ def _loop(
     run.metrics.open(start)
     eval_loss: float | None = None
     if start == 0:
-        eval_loss = run.evaluate()
-        run.metrics.write({"step": 0, "eval_loss": eval_loss})
-        log.info(f"step 0/{total} | held-out loss {eval_loss:.4f}")
+        eval_loss = run.evaluate_and_record(0)
 
-    window_loss, window_steps, window_t = torch.zeros((), device=run.device), 0, time.perf_counter()
-    last_loss: float | None = None
-    session_t0, session_tokens = time.perf_counter(), 0
+    meter = Meter(run, log)  # loss and tokens/s over the steps since the last progress line
     step = start
     with StopSignal() as stop:
         for step in range(start + 1, total + 1):
-            window_loss += run.inner_step(step)
-            window_steps += 1
-            session_tokens += run.tokens_per_step
+            meter.add(run.inner_step(step))
 
             # DiLoCo (part 2): every H inner steps, one outer step syncs the node replicas
             if outer is not None and step % cfg.diloco.inner_steps == 0:
                 outer.step(step)
 
             if step % cfg.run.log_every == 0 or step == total:
-                mean = window_loss.double() / (window_steps * placement.world_size)
-                run.all_reduce_sum(mean)
-                secs = time.perf_counter() - window_t
-                run.progress["train_seconds"] += secs
-                tps = window_steps * run.tokens_per_step / secs
-                last_loss = float(mean)
-                lr = lr_at(step, cfg.optim, total)
-                run.metrics.write(
-                    {
-                        "step": step,
-                        "loss": last_loss,
-                        "lr": lr,
-                        "tokens": run.progress["tokens"],
-                        "tokens_per_s": tps,
-                    }
-                )
-                log.info(
-                    f"step {step}/{total} | loss {last_loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s"
-                )
-                window_loss.zero_()
-                window_steps = 0
-                window_t = time.perf_counter()
-
+                meter.report(step)
             stopping = stop.agreed(placement)
-            paused = time.perf_counter()
-            if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
-                eval_loss = run.evaluate()
-                run.metrics.write({"step": step, "eval_loss": eval_loss})
-                log.info(f"step {step}/{total} | held-out loss {eval_loss:.4f}")
-            if stopping or step == total or (run.ckpt and run.ckpt.due(step)):
-                run.checkpoint(step)
+            with meter.paused():  # evaluation and checkpoints are not training time
+                if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
+                    eval_loss = run.evaluate_and_record(step)
+                if stopping or step == total or run.checkpoint_due(step):
+                    run.checkpoint(step)
             if stopping:
                 log.info(
                     f"{stop.signal} received: stopped after step {step} and checkpointed; "
                     "rerun the same command to resume"
                 )
                 break
-            window_t += time.perf_counter() - paused  # eval and checkpoints are not training
     if run.ckpt is not None:
         run.ckpt.wait()
     return finish(
@@ -294,9 +337,9 @@ def _loop(
         log,
         step,
         start,
-        last_loss,
+        meter.last_loss,
         eval_loss,
         stop.signal,
-        time.perf_counter() - session_t0,
-        session_tokens,
+        time.perf_counter() - meter.t0,
+        meter.session_tokens,
     )
