@@ -157,3 +157,13 @@ def test_outer_step_seam_runs_every_h_steps_and_is_checkpointed(tmp_path):
     assert made[1].calls == [] and made[1].count.item() == 3.0  # restored in place
     assert (cfg.run_dir / "metrics.jsonl").read_text() == metrics
     assert (cfg.run_dir / "summary.json").read_text() == summary
+
+
+def test_setup_error_releases_the_process_group(tmp_path):
+    import torch.distributed as dist
+
+    from prime_train.config_load import ConfigError
+
+    with pytest.raises(ConfigError, match="model.vocab_size >= 257"):
+        train(tiny(tmp_path, "--model.vocab_size", "100"))
+    assert not dist.is_initialized()  # a later train() in this process can start afresh

@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = train(cfg)
+    except ConfigError as e:  # settings that only show as wrong once combined (shape, device)
+        return _fail(f"config error: {e}")
     except (RunDirError, DataError) as e:
         return _fail(str(e))
     return 0 if summary is not None else 1

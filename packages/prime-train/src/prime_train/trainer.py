@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from prime_train import checkpointing
 from prime_train.config import Config
+from prime_train.config_load import ConfigError
 from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
 from prime_train.metrics import Log, Metrics
 from prime_train.model import Transformer, model_args, num_params
@@ -27,7 +28,7 @@ from prime_train.parallel import Placement, build_model, init_placement, reshard
 from prime_train.rundir import claim_run_dir
 from prime_train.stop import StopSignal
 from prime_train.summary import Summary, finish
-from prime_train.tokens import build_token_cache, make_tokenizer
+from prime_train.tokens import DataError, build_token_cache, make_tokenizer
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 
@@ -54,15 +55,18 @@ class Run:
         shard = placement.node * placement.world_size + placement.rank
 
         vocab, train_seqs, held_seqs = self._data()
-        args = model_args(
-            cfg.model.preset,
-            dim=cfg.model.dim,
-            n_layers=cfg.model.n_layers,
-            n_heads=cfg.model.n_heads,
-            n_kv_heads=cfg.model.n_kv_heads,
-            vocab_size=vocab,
-            max_seq_len=cfg.data.seq_len,
-        )
+        try:
+            args = model_args(
+                cfg.model.preset,
+                dim=cfg.model.dim,
+                n_layers=cfg.model.n_layers,
+                n_heads=cfg.model.n_heads,
+                n_kv_heads=cfg.model.n_kv_heads,
+                vocab_size=vocab,
+                max_seq_len=cfg.data.seq_len,
+            )
+        except ValueError as e:
+            raise ConfigError(f"[model] settings give an invalid shape: {e}") from None
         with torch.device("meta"):
             self.model = Transformer(args)
         self.bf16 = build_model(self.model, placement, cfg.train, seed=cfg.run.seed)
@@ -118,18 +122,25 @@ class Run:
             )
         tok = make_tokenizer(cfg.data.tokenizer)
         cache = cfg.data.cache_dir or cfg.run.runs_dir / ".token-cache"
-        # rank 0 tokenizes, the others then find the cache ready
-        if not self.primary:
+        # rank 0 tokenizes, the others then find the cache ready (or meet the same error)
+        files, error = None, None
+        if self.primary:
+            try:
+                files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
+            except DataError as e:
+                error = e
+        if p.world_size > 1:
             dist.barrier(group=p.group)
-        files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
-        if self.primary and p.world_size > 1:
-            dist.barrier(group=p.group)
+        if error is not None:
+            raise error
+        if files is None:
+            files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
         preset_vocab = model_args(cfg.model.preset).vocab_size
         vocab = cfg.model.vocab_size or (
             tok.vocab_size if cfg.model.preset == "debug" else preset_vocab
         )
         if tok.vocab_size > vocab:
-            raise ValueError(
+            raise ConfigError(
                 f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}; "
                 f"set model.vocab_size >= {tok.vocab_size}"
             )
@@ -278,14 +289,16 @@ def train(
             f"launch.local_nodes = {cfg.launch.local_nodes} needs DiLoCo (prime-train "
             "part 2); training a single node"
         )
-    run = Run(cfg, placement, log)
-    outer = make_outer(run) if make_outer is not None else None
-    if outer is not None and callable(getattr(outer, "state_dict", None)):
-        run.extra_state["outer"] = outer.state_dict()  # type: ignore[attr-defined]
+    run: Run | None = None
     try:
+        run = Run(cfg, placement, log)
+        outer = make_outer(run) if make_outer is not None else None
+        if outer is not None and callable(getattr(outer, "state_dict", None)):
+            run.extra_state["outer"] = outer.state_dict()  # type: ignore[attr-defined]
         return train_loop(cfg, run, placement, outer, log)
     finally:
-        run.close()
+        if run is not None:
+            run.close()
         placement.close()
 
 
