@@ -9,7 +9,9 @@ All figures are measured in the same run, on the same state and the same disk fo
   first save (buffers allocated, pages faulted in) is reported separately;
 - the same for `torch.distributed.checkpoint.async_save` (what a user would pick instead);
 - staging rate (bytes / blocking time) vs a torch `copy_` of the same bytes into RAM;
-- time until durable on disk (save() until wait() returns).
+- time until durable on disk (save() until wait() returns);
+- with --s3: upload time of one committed checkpoint to a local moto S3 server (via s3fs) vs
+  a plain s3fs `put_file` of the same bytes.
 """
 
 from __future__ import annotations
@@ -121,6 +123,60 @@ def bench_dcp(state, root: Path, saves: int) -> dict:
     return {"blocking": blocking, "durable": durable}
 
 
+def bench_s3(state, root: Path) -> dict:
+    import socket
+    import subprocess
+
+    import boto3
+    import s3fs
+
+    from prime_ckpt import CheckpointManager
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    moto = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        opts = {"key": "x", "secret": "x", "endpoint_url": f"http://127.0.0.1:{port}"}
+        client = boto3.client(
+            "s3",
+            endpoint_url=opts["endpoint_url"],
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+            region_name="us-east-1",
+        )
+        for _ in range(300):
+            try:
+                client.create_bucket(Bucket="bench")
+                break
+            except Exception:
+                time.sleep(0.1)
+        mgr = CheckpointManager(
+            root / "s3run", shm_dir=root / "s3shm", remote="s3://bench/run", remote_options=opts
+        )
+        try:
+            mgr.save(1, state).wait()
+            t0 = time.perf_counter()
+            mgr.wait_remote()
+            upload = time.perf_counter() - t0
+        finally:
+            mgr.close()
+        data = root / "s3run" / "step-0000000001" / "rank-00000.bin"
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+        t0 = time.perf_counter()
+        fs.put_file(str(data), "bench/raw.bin")
+        raw = time.perf_counter() - t0
+        return {"upload": upload, "raw": raw, "bytes": data.stat().st_size}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,6 +185,7 @@ def main() -> int:
     p.add_argument("--dir", default=None, help="disk folder to write to (default: a temp folder)")
     p.add_argument("--saves", type=int, default=10)
     p.add_argument("--dcp-saves", type=int, default=5)
+    p.add_argument("--s3", action="store_true", help="also time the upload to a local moto S3")
     a = p.parse_args()
     if a.saves < 3:
         p.error("--saves must be at least 3 (the median is over saves 3..N)")
@@ -154,6 +211,10 @@ def main() -> int:
         print("torch.distributed.checkpoint.async_save:", flush=True)
         dc = bench_dcp(state, root, a.dcp_saves)
 
+        s3 = None
+        if a.s3:
+            print("S3 upload (moto on 127.0.0.1):", flush=True)
+            s3 = bench_s3(state, root)
         steady = statistics.median(pr["blocking"][2:])
         dcp_steady = statistics.median(dc["blocking"][2:] or dc["blocking"])
         gib = size / 2**30
@@ -182,6 +243,13 @@ def main() -> int:
         print(
             f"dcp.async_save time until done      {statistics.median(dc['durable']):.2f} s (median)"
         )
+        if s3:
+            gib_up = s3["bytes"] / 2**30
+            print(
+                f"S3 upload after durable (moto)      {s3['upload']:.2f} s = "
+                f"{gib_up / s3['upload']:.2f} GiB/s vs s3fs put_file of the same bytes "
+                f"{s3['raw']:.2f} s ({s3['raw'] / s3['upload']:.2f}x its rate)"
+            )
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)

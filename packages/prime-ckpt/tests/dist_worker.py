@@ -137,6 +137,27 @@ def main() -> None:
                 raise AssertionError("Shard(1) accepted")
             except TypeError as e:
                 assert "cannot checkpoint layer/w" in str(e) and "Shard(0)" in str(e), e
+    elif phase == "fail2":
+        import os
+
+        from prime_ckpt import CheckpointError
+        from prime_ckpt.faults import ENV
+
+        with CheckpointManager(root / "fail", shm_dir=shm) as mgr:
+            mgr.save(1, dstate(mesh, 1)).wait(120)
+            if rank == 1:
+                os.environ[ENV] = "enospc@2"  # only rank 1's disk is full
+            try:
+                mgr.save(2, dstate(mesh, 2)).wait(120)
+                raise AssertionError("step 2 committed although rank 1 failed")
+            except CheckpointError as e:
+                print(f"rank {rank} step 2 failed: {e}")
+            os.environ.pop(ENV, None)
+            mgr.save(3, dstate(mesh, 3)).wait(120)
+            st = dstate(mesh, None)
+            dist.barrier()
+            assert mgr.load(1, st) == 1
+            check_dstate(st, 1)
     elif phase == "load2":
         st = dstate(mesh, None)
         with CheckpointManager(root / "dt1", shm_dir=shm) as mgr:

@@ -61,3 +61,64 @@ def test_missing_dir_is_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("prime-ckpt: error:") and "no such checkpoint folder" in err
     assert "Traceback" not in err
+
+
+def read_safetensors(path: Path) -> tuple[dict, dict]:
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    codes = {"F32": torch.float32, "I64": torch.int64, "BF16": torch.bfloat16, "BOOL": torch.bool}
+    body = raw[8 + n :]
+    out = {}
+    for name, h in header.items():
+        a, b = h["data_offsets"]
+        buf = torch.frombuffer(bytearray(body[a:b]), dtype=torch.uint8)
+        out[name] = buf.view(codes[h["dtype"]]).reshape(h["shape"])
+    assert max(h["data_offsets"][1] for h in header.values()) == len(body)
+    return out, meta
+
+
+def test_export_safetensors_and_torch_from_dir_and_url(tmp_path, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = {
+        "model": model.state_dict(),
+        "extra": {"mask": torch.tensor([True, False]), "half": torch.ones(2, dtype=torch.bfloat16)},
+        "pos": 12,
+    }
+    url = f"file://{tmp_path / 'bucket'}"
+    with CheckpointManager(tmp_path / "run", shm_dir=tmp_path / "shm", remote=url) as mgr:
+        mgr.save(7, state).wait(60)
+        assert mgr.wait_remote(60)
+    out = tmp_path / "w.safetensors"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "exported step 7 (6 tensors)" in capsys.readouterr().out
+    tensors, meta = read_safetensors(out)
+    assert meta["prime_ckpt_step"] == "7"
+    assert set(tensors) == {
+        "model.0.weight",
+        "model.0.bias",
+        "model.1.weight",
+        "model.1.bias",
+        "extra.mask",
+        "extra.half",
+    }
+    for k, v in model.state_dict().items():
+        assert torch.equal(tensors[f"model.{k}"], v)
+    assert torch.equal(tensors["extra.mask"], state["extra"]["mask"])
+
+    pt = tmp_path / "w.pt"
+    assert main(["export", url, "7", "--out", str(pt)]) == 0  # from the remote copy
+    loaded = torch.load(pt, weights_only=True)
+    assert loaded["pos"] == 12 and torch.equal(loaded["model"]["1.bias"], model[1].bias)
+
+    capsys.readouterr()
+    assert main(["ls", url]) == 0
+    text = capsys.readouterr().out
+    assert "remote" in text and "yes" in text and "step-0000000007" in text
+    assert main(["verify", url]) == 0
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "no" / "x.pt")]) == 2
+    assert "does not exist" in capsys.readouterr().err

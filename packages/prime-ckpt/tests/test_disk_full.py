@@ -63,3 +63,17 @@ def test_unwritable_disk_dir_is_a_clear_error(tmp_path):
     f.write_text("not a folder")
     with pytest.raises(CheckpointError, match="cannot create checkpoint folder"):
         CheckpointManager(f / "ckpt", shm_dir=tmp_path / "shm")
+
+
+def test_full_shm_fails_save_cleanly(small_disk, tmp_path):
+    """A RAM tier too small for the state: save() raises a clear error, nothing is lost."""
+    if not os.path.ismount(small_disk):
+        pytest.skip("needs root to mount a small tmpfs as the RAM tier")
+    with CheckpointManager(tmp_path / "disk", shm_dir=small_disk / "shm") as mgr:
+        mgr.save(1, vec(100, 1.0)).wait(60)
+        with pytest.raises(CheckpointError, match="staging step 2 .* failed: .*No space left"):
+            mgr.save(2, vec(2000, 2.0))  # 2 MB into a 1 MiB /dev/shm
+        assert [(c.step, c.tier) for c in mgr.list()] == [(1, "ram"), (1, "disk")]
+        mgr.save(3, vec(100, 3.0)).wait(60)  # the run goes on
+        target = vec(100, 0.0)
+        assert mgr.load_latest(target) == 3 and target["step_value"] == 3.0

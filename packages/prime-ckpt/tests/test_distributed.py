@@ -48,7 +48,28 @@ def test_save_on_2_ranks_load_on_1(children, tmp_path):
     state from it, into DTensors and into plain tensors; Shard(1) is refused by name."""
     run_phase(children, "save2", 2, tmp_path)
     check_save2(tmp_path)
+    check_export(tmp_path)
     run_phase(children, "load1", 1, tmp_path)
+
+
+def check_export(root: Path) -> None:
+    """`prime-ckpt export` assembles the shards of both ranks into whole tensors."""
+    import importlib.util
+
+    import torch
+
+    from prime_ckpt.cli import main
+
+    spec = importlib.util.spec_from_file_location("dist_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    out = root / "dt.pt"
+    assert main(["export", str(root / "dt"), "--out", str(out)]) == 0
+    full = torch.load(out, weights_only=True)
+    assert torch.equal(full["w"], worker.full("w", 3))
+    assert torch.equal(full["tiny"], worker.full("tiny", 3))
+    assert torch.equal(full["nested"]["big"], worker.full("big", 3))
+    assert full["count"] == 30
 
 
 @pytest.mark.slow
@@ -59,3 +80,14 @@ def test_save_on_2_ranks_load_on_1_and_back_on_2(children, tmp_path):
     outs = run_phase(children, "load2", 2, tmp_path)
     # same world size: each rank restored step 3 and could use its own RAM copy
     assert all("copies of step 3: ['disk', 'ram']" in o for o in outs), outs
+
+
+@pytest.mark.slow
+def test_one_rank_failing_aborts_the_commit_and_keeps_older(children, tmp_path):
+    outs = run_phase(children, "fail2", 2, tmp_path)
+    assert all("step 2 failed" in o for o in outs), outs
+    assert "No space left" in outs[1] and "rank 1 failed to write its shard" in outs[0], outs
+    d = tmp_path / "fail"
+    assert sorted(p.name for p in d.iterdir()) == ["step-0000000001", "step-0000000003"]
+    for s in ("step-0000000001", "step-0000000003"):
+        assert verify_dir(d / s) == []

@@ -105,9 +105,18 @@ def test_memory_remote_zstd(tmp_path):
     roundtrip(tmp_path, f"memory://prime-{uuid.uuid4().hex}/run", None, "zstd")
 
 
-def test_s3_remote_torn_corrupt_and_restore(tmp_path, s3):
+def test_s3_remote_torn_corrupt_and_restore(tmp_path, s3, monkeypatch, capsys):
     url, options = s3
     roundtrip(tmp_path, url, options, "zstd")
+    # the CLI lists the bucket (credentials from the environment, never the command line)
+    from prime_ckpt.cli import main
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    capsys.readouterr()
+    assert main(["ls", url, "-o", f"endpoint_url={options['endpoint_url']}"]) == 0
+    rows = [ln.split()[:5] for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["3", "2"] and all(r[4] == "yes" for r in rows), rows
     store = RemoteStore(url, options)
     fs = store.fs
     # a torn upload (data without manifest) is ignored, and removed by the next upload

@@ -10,6 +10,7 @@ store the manifest is uploaded last, so its presence marks the commit.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -110,6 +111,15 @@ class Manifest:
     def digest(self) -> str:
         """SHA-256 of the manifest bytes: pins one exact checkpoint (used by peer transfer)."""
         return hashlib.sha256(self.to_bytes()).hexdigest()
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or new entry in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: str | Path) -> str:

@@ -12,9 +12,12 @@ import hashlib
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from prime_ckpt.faults import fault
@@ -29,6 +32,7 @@ from prime_ckpt.manifest import (
 from prime_ckpt.state import TensorItem, dtype_from_name
 
 OWNER = "owner.msgpack"
+_CHUNK = 16 << 20
 PREFIX = "prime-ckpt-"
 
 
@@ -75,6 +79,9 @@ class Stager:
         owner = msgpack.packb({"pid": os.getpid(), "disk_dir": str(disk_dir.resolve())})
         (shm_dir / OWNER).write_bytes(owner)
         self._buffers: dict[int, tuple[int, torch.Tensor]] = {}
+        self._pool = ThreadPoolExecutor(
+            min(4, os.cpu_count() or 1), thread_name_prefix="prime-ckpt-stage"
+        )
 
     def committed(self) -> list[tuple[int, int]]:
         """(step, slot index) of slots holding a RAM copy marked good, newest first."""
@@ -120,16 +127,44 @@ class Stager:
         (slot / MANIFEST_NAME).unlink(missing_ok=True)
         buf = self._buffer(i, total)
         half = len(items) // 2
+        dst_np = buf.numpy()
+        chunks: list[tuple[Any, Any]] = []
         with torch.no_grad():
             for n, it in enumerate(items):
                 if n == half:
+                    self._copy(chunks)
+                    chunks = []
                     fault("stage", step)
                 if not it.write or not it.nbytes:
                     continue
-                dst = buf[it.offset : it.offset + it.nbytes].view(dtype_from_name(it.dtype))
-                dst.view(it.shape).copy_(it.tensor)
+                t = it.tensor
+                if (
+                    t.device.type == "cpu"
+                    and t.is_contiguous()
+                    and not t.is_conj()
+                    and not t.is_neg()
+                ):
+                    src = t.reshape(-1).view(torch.uint8).numpy()
+                    for a in range(0, it.nbytes, _CHUNK):
+                        b = min(a + _CHUNK, it.nbytes)
+                        chunks.append((dst_np[it.offset + a : it.offset + b], src[a:b]))
+                else:  # GPU (a DMA), strided or lazily-negated tensors: torch does the copy
+                    dst = buf[it.offset : it.offset + it.nbytes].view(dtype_from_name(it.dtype))
+                    dst.view(it.shape).copy_(t)
+            self._copy(chunks)
         (slot / meta_name(self.rank)).write_bytes(meta)
         return i
+
+    def _copy(self, chunks: list[tuple[Any, Any]]) -> None:
+        """memcpy in 16 MiB chunks on a small thread pool (numpy releases the GIL). Unlike one
+        torch parallel copy per tensor, a descheduled thread never holds up a barrier: the
+        others take the remaining chunks."""
+        if len(chunks) <= 1:
+            for d, s in chunks:
+                np.copyto(d, s)
+            return
+        for f in [self._pool.submit(np.copyto, d, s) for d, s in chunks]:
+            f.result()
 
     def commit(self, i: int, manifest: Manifest) -> None:
         """Mark slot `i` good (its files hashed into `manifest`)."""
@@ -141,5 +176,6 @@ class Stager:
         (self.slots[i] / MANIFEST_NAME).unlink(missing_ok=True)
 
     def remove(self) -> None:
+        self._pool.shutdown(wait=True)
         self._buffers.clear()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from prime_ckpt.manifest import (
     FileEntry,
     Manifest,
     committed_steps,
+    fsync_dir,
     is_leased,
     parse_step_dirname,
     read_manifest,
@@ -40,49 +43,58 @@ class CommitError(RuntimeError):
     """The disk copy of a checkpoint could not be committed."""
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def copy_hashed(src: Path, dst: Path | None, step: int, fault_point: str | None = None):
     """Hash `src` and copy it to `dst` with fsync. Returns (entry, error): the hash is always
-    computed (the RAM copy needs it) even when writing `dst` fails."""
+    computed (the RAM copy needs it) even when writing `dst` fails. Writing runs on a helper
+    thread so that hashing and disk writes overlap (both release the GIL)."""
     h = hashlib.sha256()
     size = src.stat().st_size
-    err: OSError | None = None
+    err: list[OSError] = []
     out = None
     if dst is not None:
         try:
-            out = open(dst, "wb")  # noqa: SIM115 - closed below, or on the first write error
+            out = open(dst, "wb")  # noqa: SIM115 - closed below
         except OSError as e:
-            err = e
-    done = 0
-    with open(src, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            done += len(chunk)
-            if out is not None:
+            err.append(e)
+    chunks: queue.Queue = queue.Queue(maxsize=4)
+
+    def write() -> None:
+        while (chunk := chunks.get()) is not None:
+            if not err:
                 try:
                     injected_enospc(step)
                     out.write(chunk)
                 except OSError as e:
-                    err, out = e, _close_quietly(out)
-            if fault_point and done >= size // 2:
-                fault(fault_point, step)
-                fault_point = None
+                    err.append(e)
+
+    writer = threading.Thread(target=write, name="prime-ckpt-write") if out else None
+    if writer:
+        writer.start()
+    done = 0
+    try:
+        with open(src, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                if writer:
+                    chunks.put(chunk)
+                h.update(chunk)
+                done += len(chunk)
+                if fault_point and done >= size // 2:
+                    fault(fault_point, step)
+                    fault_point = None
+    finally:
+        if writer:
+            chunks.put(None)
+            writer.join()
     if out is not None:
         try:
-            out.flush()
-            os.fsync(out.fileno())
+            if not err:
+                out.flush()
+                os.fsync(out.fileno())
             out.close()
         except OSError as e:
-            err = e
+            err.append(e)
             _close_quietly(out)
-    return FileEntry(done, h.hexdigest()), err
+    return FileEntry(done, h.hexdigest()), (err[0] if err else None)
 
 
 def _close_quietly(f) -> None:

@@ -102,6 +102,10 @@ class Checkpointer:
             self.last_saved = step
         return step
 
+    def load(self, step: int, state: dict[str, Any]) -> None:
+        self.manager.load(step, state, strict=True)
+        self.last_saved = step
+
     def wait(self) -> None:
         self.manager.wait()
 
@@ -109,3 +113,17 @@ class Checkpointer:
         close = getattr(self.manager, "close", None)
         if callable(close):
             close()
+
+
+def committed_steps(ckpt_dir: Path) -> list[int]:
+    """Steps committed on disk under `ckpt_dir` (each is verified when loaded)."""
+    from prime_ckpt.manifest import MANIFEST_NAME, parse_step_dirname
+
+    if not ckpt_dir.is_dir():
+        return []
+    steps = []
+    for p in ckpt_dir.iterdir():
+        s = parse_step_dirname(p.name)
+        if s is not None and (p / MANIFEST_NAME).is_file():
+            steps.append(s)
+    return sorted(steps)

@@ -63,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(f"config error: {e}")
 
+    from prime_train.diloco_node import local_node_index
+
+    if cfg.launch.local_nodes > 1 and local_node_index() is None and not cfg.mesh.coordinator:
+        from prime_train.launch import launch_local_nodes, local_coordinator
+
+        return launch_local_nodes(argv, cfg.launch.local_nodes, local_coordinator)
+
+    from prime_mesh import MeshError
+    from prime_train.outer_sync import OuterStepFailed
     from prime_train.rundir import RunDirError
     from prime_train.tokens import DataError
     from prime_train.trainer import train
@@ -73,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"config error: {e}")
     except (RunDirError, DataError) as e:
         return _fail(str(e))
+    except (MeshError, OuterStepFailed) as e:
+        print(f"prime-train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0 if summary is not None else 1
 
 

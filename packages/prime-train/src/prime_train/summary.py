@@ -27,6 +27,7 @@ class Summary:
     plot: str | None
     stopped_by: str | None = None
     resumed_from: int | None = None
+    diloco: dict | None = None  # outer steps, bytes communicated and settings (multi-node)
 
 
 def finish(
@@ -67,6 +68,7 @@ def finish(
         plot=plot,
         stopped_by=stopped_by,
         resumed_from=start or None,
+        diloco=_diloco_summary(cfg, run),
     )
     if not run.primary:
         return summary
@@ -84,10 +86,36 @@ def finish(
         f"{'stopped' if stopped_by else 'done'}: {step}/{cfg.train.steps} steps | "
         f"train loss {_fmt(last_loss)} | held-out loss {_fmt(eval_loss)}{ratio} | "
         f"{summary.tokens:,} tokens | {seconds:.1f} s, {summary.tokens_per_s:,.0f} tok/s\n"
-        f"  run folder {run.run_dir} ({summary_file.name}, metrics"
+        + _diloco_line(summary.diloco)
+        + f"  run folder {run.run_dir} ({summary_file.name}, metrics"
         f"{', ' + Path(plot).name if plot else ''}); checkpoints in {run.ckpt_dir}"
     )
     return summary
+
+
+def _diloco_summary(cfg, run: Run) -> dict | None:
+    if run.diloco is None:
+        return None
+    d = cfg.diloco
+    return {
+        **run.diloco.totals,
+        "inner_steps": d.inner_steps,
+        "outer_lr": d.outer_lr,
+        "outer_momentum": d.outer_momentum,
+        "compression": d.compression,
+        "nodes_now": run.diloco.mesh.global_world_size,
+    }
+
+
+def _diloco_line(d: dict | None) -> str:
+    if d is None:
+        return ""
+    return (
+        f"  DiLoCo: {d['outer_steps']} outer steps (H={d['inner_steps']}, outer lr "
+        f"{d['outer_lr']}, momentum {d['outer_momentum']}, {d['compression']}), "
+        f"{d['comm_bytes'] / 1e6:.2f} MB sent in {d['comm_seconds']:.1f} s of all-reduce, "
+        f"{d['nodes_now']} node(s) at the end\n"
+    )
 
 
 def _fmt(v: float | None) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -18,9 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from prime_train import checkpointing
+from prime_train.checkpointing import committed_steps
 from prime_train.config import Config
 from prime_train.config_load import ConfigError
 from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
+from prime_train.diloco_node import DilocoNode, local_node_index, uses_mesh
 from prime_train.metrics import Log, Metrics
 from prime_train.model import Transformer, model_args, num_params
 from prime_train.optim import lr_at, make_optimizer, set_lr
@@ -34,11 +36,7 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 
 
 class OuterStep(Protocol):
-    """The DiLoCo outer step (part 2): sync the node replicas after H inner steps.
-
-    If it also has `state_dict()` returning its tensors (outer weights, momentum), they are
-    saved in every checkpoint under "outer" and loaded back in place on resume.
-    """
+    """The DiLoCo outer step: sync the node replicas after H inner steps (see DilocoNode)."""
 
     def step(self, step: int) -> None: ...
 
@@ -83,7 +81,6 @@ class Run:
         )
         self.tokens_per_step = B * cfg.data.seq_len * placement.world_size
         self.progress: dict[str, Any] = {"step": 0, "tokens": 0, "train_seconds": 0.0}
-        self.extra_state: dict[str, Any] = {}  # more checkpointed state, e.g. DiLoCo's
 
         node_suffix = "" if placement.node == 0 else f"-node{placement.node}"
         self.metrics = Metrics(
@@ -92,6 +89,7 @@ class Run:
         self.ckpt_dir = cfg.ckpt.dir or self.run_dir / f"ckpt{node_suffix}"
         group = placement.group if placement.world_size > 1 else None
         self.ckpt: checkpointing.Checkpointer | None = None
+        self.diloco: DilocoNode | None = None  # set by train() for a multi-node run
         if checkpointing.available():
             self.ckpt = checkpointing.Checkpointer(
                 self.ckpt_dir,
@@ -191,9 +189,12 @@ class Run:
             dist.all_reduce(t, group=self.placement.group)
 
     def state(self) -> dict[str, Any]:
-        return self.extra_state | checkpointing.train_state(
+        state = checkpointing.train_state(
             self.model, self.opt, self.loader.state_dict(), self.progress
         )
+        if self.diloco is not None:
+            state["diloco"] = self.diloco.state_dict()
+        return state
 
     def checkpoint(self, step: int) -> None:
         self.progress["step"] = step
@@ -205,7 +206,13 @@ class Run:
         if self.ckpt is None:
             return 0
         state = self.state()
-        step = self.ckpt.load_latest(state)
+        if self.diloco is None:
+            step = self.ckpt.load_latest(state)
+        else:  # the newest step that every node holds, so all resume from the same weights
+            step = self.diloco.agree_resume_step(committed_steps(self.ckpt_dir))
+            if step is not None:
+                self.ckpt.load(step, state)
+                self.diloco.loaded(state["diloco"])
         if step is None:
             return 0
         self.loader.load_state_dict(state["data"])
@@ -272,33 +279,38 @@ class Meter:
 def train(
     cfg: Config,
     placement: Placement | None = None,
-    make_outer: Callable[[Run], OuterStep] | None = None,
+    outer: OuterStep | None = None,
     log: Log | None = None,
 ) -> Summary:
     """Train one node to `train.steps`, resuming from its newest checkpoint if any.
 
-    `placement` defaults to this process alone (or torchrun's group); `make_outer(run)`
-    builds the DiLoCo outer step from the built model (`run.model`), before the resume.
-    """
+    `placement` defaults to this process alone (or torchrun's group). With `mesh.coordinator`
+    set (the local launcher sets it for each node), this node joins the run's mesh and takes
+    a DiLoCo outer step every `diloco.inner_steps` steps."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    node: DilocoNode | None = None
+    if outer is None and uses_mesh(cfg):
+        index = local_node_index()
+        node = DilocoNode(cfg, Log(f"[node {index if index is not None else '?'}]", True))
+        outer = node
+        placement = placement or init_placement(cfg.train, node=node.node, num_nodes=node.num_nodes)
     placement = placement or init_placement(cfg.train)
     log = log or Log(placement.prefix, primary=placement.rank == 0)
-    if cfg.launch.local_nodes > 1 and make_outer is None:
-        log.warn(
-            f"launch.local_nodes = {cfg.launch.local_nodes} needs DiLoCo (prime-train "
-            "part 2); training a single node"
-        )
+    if node is not None:
+        node.log = log
     run: Run | None = None
     try:
         run = Run(cfg, placement, log)
-        outer = make_outer(run) if make_outer is not None else None
-        if outer is not None and callable(getattr(outer, "state_dict", None)):
-            run.extra_state["outer"] = outer.state_dict()  # type: ignore[attr-defined]
+        if node is not None:
+            node.attach(run.params, run.metrics)
+            run.diloco = node
         return train_loop(cfg, run, placement, outer, log)
     finally:
         if run is not None:
             run.close()
+        if node is not None:
+            node.close()
         placement.close()
 
 
@@ -323,17 +335,20 @@ def train_loop(
         for step in range(start + 1, total + 1):
             meter.add(run.inner_step(step))
 
-            # DiLoCo (part 2): every H inner steps, one outer step syncs the node replicas
-            if outer is not None and step % cfg.diloco.inner_steps == 0:
+            # DiLoCo: every H inner steps, one outer step syncs the node replicas
+            at_outer_boundary = step % cfg.diloco.inner_steps == 0 or step == total
+            if outer is not None and at_outer_boundary:
                 outer.step(step)
 
             if step % cfg.run.log_every == 0 or step == total:
                 meter.report(step)
-            stopping = stop.agreed(placement)
+            # with DiLoCo a stop waits for the next outer step, so checkpoints hold synced weights
+            stopping = stop.agreed(placement) and (outer is None or at_outer_boundary)
+            checkpoint_due = run.checkpoint_due(step) and (outer is None or at_outer_boundary)
             with meter.paused():  # evaluation and checkpoints are not training time
                 if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
                     eval_loss = run.evaluate_and_record(step)
-                if stopping or step == total or run.checkpoint_due(step):
+                if stopping or step == total or checkpoint_due:
                     run.checkpoint(step)
             if stopping:
                 log.info(

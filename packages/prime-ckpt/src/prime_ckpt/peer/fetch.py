@@ -21,6 +21,7 @@ from pathlib import Path
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
     ManifestError,
+    fsync_dir,
     read_manifest,
     sha256_file,
     step_dirname,
@@ -94,14 +95,6 @@ def choose(offers: list[Offer]) -> tuple[Offer, list[str]]:
             counts[best.digest],
         )
     return best, [o.url for o in same_step if o.digest == best.digest]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _already_have(target: Path, offer: Offer) -> bool:
@@ -219,12 +212,12 @@ def fetch_from_peer(
         finally:
             os.close(fd)
     for d in {(folder / n).parent for n in offer.manifest.files} | {folder}:
-        _fsync_dir(d)
+        fsync_dir(d)
     if _already_have(target, offer):  # another fetcher committed it meanwhile
         shutil.rmtree(folder, ignore_errors=True)
         return offer.step
     os.rename(folder, target)
-    _fsync_dir(dest)
+    fsync_dir(dest)
     _drop_stale_partials(dest, offer.step)
     dt = time.monotonic() - t0
     log.info(
