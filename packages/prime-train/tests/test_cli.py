@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[3]
 DEBUG = REPO / "configs" / "debug.toml"
@@ -42,6 +43,23 @@ def test_bad_data_path_is_clear(tmp_path):
     )
     assert r.returncode == 2, r.stderr
     assert "matches no files" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "expect"),
+    [
+        (["--model.dim", "130"], "divisible by n_heads"),
+        (["--model.vocab_size", "100"], "set model.vocab_size >= 257"),
+        (["--train.device", "cuda"], "no CUDA device"),
+    ],
+)
+def test_combined_settings_errors_are_clear(tmp_path, override, expect):
+    if "cuda" in override and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: 'cuda' is valid here")
+    r = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), *override)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert expect in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2
 
 
 def check_debug_run(r, run_dir, steps):

@@ -6,6 +6,16 @@ import torch.nn.functional as F
 
 from prime_train.model import PRESETS, Transformer, apply_rope, model_args, num_params, rope_tables
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two torch threads on a shared 2-core machine crawl; one is faster and steadier."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # Published sizes: Llama-2 7B has exactly 6,738,415,616 parameters; INTELLECT-1 is "10.2B";
 # the 150M and 1B of the family are named by their non-embedding and total sizes.
 PUBLISHED = {

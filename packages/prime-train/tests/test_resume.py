@@ -130,15 +130,6 @@ def test_sigkill_then_rerun_resumes_exactly_from_last_checkpoint(children, tmp_p
     assert losses(tmp_path / "debug") == reference
 
 
-@needs_ckpt
-def test_rerun_of_a_finished_run_changes_nothing(tmp_path):
-    assert cli(*args(tmp_path, 6)).returncode == 0
-    before = losses(tmp_path / "debug")
-    r = cli(*args(tmp_path, 6))
-    assert r.returncode == 0 and "resumed from the step-6 checkpoint" in r.stdout
-    assert losses(tmp_path / "debug") == before
-
-
 def test_two_ranks_via_torchrun(tmp_path, port):
     """FSDP2 over 2 CPU ranks (gloo) started by torchrun: shards the model, trains, learns."""
     cmd = [

@@ -104,3 +104,55 @@ def test_lr_schedules():
     assert lr_at(90, wsd, 100) == pytest.approx(0.5) and lr_at(100, wsd, 100) == 0.0
     const = OptimConfig(lr=2.0, warmup_steps=0, schedule="constant")
     assert lr_at(1, const, 10) == lr_at(10, const, 10) == 2.0
+
+
+@pytest.mark.slow
+def test_compile_trains(tmp_path):
+    """torch.compile per block (needs a C compiler on CPU; ~1 min to compile)."""
+    cfg = tiny(tmp_path, "--train.steps", "10", "--train.compile", "true", "--eval.every", "0")
+    summary = train(cfg)
+    assert summary.steps == 10 and summary.heldout_loss < summary.initial_heldout_loss
+
+
+class CountingOuter:
+    """Stands in for DiLoCo's outer step: records the steps it runs at."""
+
+    def __init__(self):
+        self.calls = []
+
+    def step(self, step):
+        self.calls.append(step)
+
+
+def test_outer_step_seam_runs_every_h_steps(tmp_path):
+    cfg = tiny(
+        tmp_path,
+        "--train.steps",
+        "12",
+        "--diloco.inner_steps",
+        "4",
+        "--ckpt.every",
+        "4",
+        "--eval.every",
+        "0",
+    )
+    outer = CountingOuter()
+    train(cfg, outer=outer)
+    assert outer.calls == [4, 8, 12]
+    metrics = (cfg.run_dir / "metrics.jsonl").read_text()
+    summary = (cfg.run_dir / "summary.json").read_text()
+    again = CountingOuter()
+    train(cfg, outer=again)  # complete: loads the step-12 checkpoint, trains nothing
+    assert again.calls == []
+    assert (cfg.run_dir / "metrics.jsonl").read_text() == metrics
+    assert (cfg.run_dir / "summary.json").read_text() == summary
+
+
+def test_setup_error_releases_the_process_group(tmp_path):
+    import torch.distributed as dist
+
+    from prime_train.config_load import ConfigError
+
+    with pytest.raises(ConfigError, match="model.vocab_size >= 257"):
+        train(tiny(tmp_path, "--model.vocab_size", "100"))
+    assert not dist.is_initialized()  # a later train() in this process can start afresh

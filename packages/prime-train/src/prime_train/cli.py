@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = train(cfg)
+    except ConfigError as e:  # settings that only show as wrong once combined (shape, device)
+        return _fail(f"config error: {e}")
     except (RunDirError, DataError) as e:
         return _fail(str(e))
     except (MeshError, OuterStepFailed) as e:

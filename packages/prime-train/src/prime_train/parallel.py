@@ -21,6 +21,7 @@ from torch.distributed.fsdp import (
 )
 
 from prime_train.config import TrainConfig
+from prime_train.config_load import ConfigError
 from prime_train.model import Transformer
 
 
@@ -57,7 +58,7 @@ class Placement:
 
 def pick_device(setting: str) -> torch.device:
     if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise ConfigError(
             "train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'"
         )
     if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):

@@ -103,11 +103,14 @@ class TokenFiles:
     vocab_size: int
 
 
-def _write_aside(dest: Path, arr: np.ndarray) -> None:
+def _write_aside(dest: Path, data: np.ndarray | bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
+            if isinstance(data, bytes):
+                f.write(data)
+            else:
+                np.save(f, data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dest)
@@ -151,7 +154,6 @@ def build_token_cache(
             if tokenizer.eos_id is not None:
                 parts.append(np.array([tokenizer.eos_id], dtype=np.int64))
         _write_aside(dest, np.concatenate(parts).astype(dtype))
-    (out / "files.json").write_text(
-        json.dumps({"tokenizer": tokenizer.name, "heldout": [str(f) for f in heldout_files]})
-    )
+    info = {"tokenizer": tokenizer.name, "heldout": [str(f) for f in heldout_files]}
+    _write_aside(out / "files.json", json.dumps(info).encode())
     return TokenFiles(train, heldout, tokenizer.vocab_size)

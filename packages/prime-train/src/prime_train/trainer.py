@@ -7,8 +7,10 @@ every `diloco.inner_steps` steps.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from prime_train import checkpointing
 from prime_train.checkpointing import committed_steps
 from prime_train.config import Config
+from prime_train.config_load import ConfigError
 from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
 from prime_train.diloco_node import DilocoNode, local_node_index, uses_mesh
 from prime_train.metrics import Log, Metrics
@@ -27,7 +30,7 @@ from prime_train.parallel import Placement, build_model, init_placement, reshard
 from prime_train.rundir import claim_run_dir
 from prime_train.stop import StopSignal
 from prime_train.summary import Summary, finish
-from prime_train.tokens import build_token_cache, make_tokenizer
+from prime_train.tokens import DataError, build_token_cache, make_tokenizer
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 
@@ -50,15 +53,18 @@ class Run:
         shard = placement.node * placement.world_size + placement.rank
 
         vocab, train_seqs, held_seqs = self._data()
-        args = model_args(
-            cfg.model.preset,
-            dim=cfg.model.dim,
-            n_layers=cfg.model.n_layers,
-            n_heads=cfg.model.n_heads,
-            n_kv_heads=cfg.model.n_kv_heads,
-            vocab_size=vocab,
-            max_seq_len=cfg.data.seq_len,
-        )
+        try:
+            args = model_args(
+                cfg.model.preset,
+                dim=cfg.model.dim,
+                n_layers=cfg.model.n_layers,
+                n_heads=cfg.model.n_heads,
+                n_kv_heads=cfg.model.n_kv_heads,
+                vocab_size=vocab,
+                max_seq_len=cfg.data.seq_len,
+            )
+        except ValueError as e:
+            raise ConfigError(f"[model] settings give an invalid shape: {e}") from None
         with torch.device("meta"):
             self.model = Transformer(args)
         self.bf16 = build_model(self.model, placement, cfg.train, seed=cfg.run.seed)
@@ -114,18 +120,25 @@ class Run:
             )
         tok = make_tokenizer(cfg.data.tokenizer)
         cache = cfg.data.cache_dir or cfg.run.runs_dir / ".token-cache"
-        # rank 0 tokenizes, the others then find the cache ready
-        if not self.primary:
+        # rank 0 tokenizes, the others then find the cache ready (or meet the same error)
+        files, error = None, None
+        if self.primary:
+            try:
+                files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
+            except DataError as e:
+                error = e
+        if p.world_size > 1:
             dist.barrier(group=p.group)
-        files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
-        if self.primary and p.world_size > 1:
-            dist.barrier(group=p.group)
+        if error is not None:
+            raise error
+        if files is None:
+            files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
         preset_vocab = model_args(cfg.model.preset).vocab_size
         vocab = cfg.model.vocab_size or (
             tok.vocab_size if cfg.model.preset == "debug" else preset_vocab
         )
         if tok.vocab_size > vocab:
-            raise ValueError(
+            raise ConfigError(
                 f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}; "
                 f"set model.vocab_size >= {tok.vocab_size}"
             )
@@ -161,6 +174,15 @@ class Run:
         self.all_reduce_sum(total)
         reshard(self.model)
         return float(total[0] / total[1])
+
+    def evaluate_and_record(self, step: int) -> float:
+        loss = self.evaluate()
+        self.metrics.write({"step": step, "eval_loss": loss})
+        self.log.info(f"step {step}/{self.cfg.train.steps} | held-out loss {loss:.4f}")
+        return loss
+
+    def checkpoint_due(self, step: int) -> bool:
+        return self.ckpt is not None and self.ckpt.due(step)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         if self.placement.world_size > 1:
@@ -204,6 +226,56 @@ class Run:
             self.ckpt.close()
 
 
+class Meter:
+    """Mean loss and tokens/s over the steps since the last progress line."""
+
+    def __init__(self, run: Run, log: Log):
+        self.run, self.log = run, log
+        self.loss = torch.zeros((), device=run.device)
+        self.steps, self.session_tokens = 0, 0
+        self.last_loss: float | None = None
+        self.t0 = self.window_t = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss  # no host sync until the next report
+        self.steps += 1
+        self.session_tokens += self.run.tokens_per_step
+
+    def report(self, step: int) -> None:
+        run = self.run
+        mean = self.loss.double() / (self.steps * run.placement.world_size)
+        run.all_reduce_sum(mean)
+        secs = time.perf_counter() - self.window_t
+        run.progress["train_seconds"] += secs
+        tps = self.steps * run.tokens_per_step / secs
+        self.last_loss = float(mean)
+        lr = lr_at(step, run.cfg.optim, run.cfg.train.steps)
+        run.metrics.write(
+            {
+                "step": step,
+                "loss": self.last_loss,
+                "lr": lr,
+                "tokens": run.progress["tokens"],
+                "tokens_per_s": tps,
+            }
+        )
+        self.log.info(
+            f"step {step}/{run.cfg.train.steps} | loss {self.last_loss:.4f} | "
+            f"lr {lr:.2e} | {tps:,.0f} tok/s"
+        )
+        self.loss.zero_()
+        self.steps = 0
+        self.window_t = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.window_t += time.perf_counter() - t
+
+
 def train(
     cfg: Config,
     placement: Placement | None = None,
@@ -212,8 +284,9 @@ def train(
 ) -> Summary:
     """Train one node to `train.steps`, resuming from its newest checkpoint if any.
 
-    With `mesh.coordinator` set (the local launcher sets it for each node), this node joins
-    the run's mesh and takes a DiLoCo outer step every `diloco.inner_steps` steps."""
+    `placement` defaults to this process alone (or torchrun's group). With `mesh.coordinator`
+    set (the local launcher sets it for each node), this node joins the run's mesh and takes
+    a DiLoCo outer step every `diloco.inner_steps` steps."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     node: DilocoNode | None = None
@@ -226,24 +299,25 @@ def train(
     log = log or Log(placement.prefix, primary=placement.rank == 0)
     if node is not None:
         node.log = log
+    run: Run | None = None
     try:
         run = Run(cfg, placement, log)
         if node is not None:
             node.attach(run.params, run.metrics)
             run.diloco = node
-        try:
-            return _loop(cfg, run, placement, outer, log)
-        finally:
-            run.close()
+        return train_loop(cfg, run, placement, outer, log)
     finally:
+        if run is not None:
+            run.close()
         if node is not None:
             node.close()
         placement.close()
 
 
-def _loop(
+def train_loop(
     cfg: Config, run: Run, placement: Placement, outer: OuterStep | None, log: Log
 ) -> Summary:
+    """The loop: inner steps, the outer-step seam, progress lines, evaluation, checkpoints."""
     total = cfg.train.steps
     start = run.resume()
     if start:
@@ -253,19 +327,13 @@ def _loop(
     run.metrics.open(start)
     eval_loss: float | None = None
     if start == 0:
-        eval_loss = run.evaluate()
-        run.metrics.write({"step": 0, "eval_loss": eval_loss})
-        log.info(f"step 0/{total} | held-out loss {eval_loss:.4f}")
+        eval_loss = run.evaluate_and_record(0)
 
-    window_loss, window_steps, window_t = torch.zeros((), device=run.device), 0, time.perf_counter()
-    last_loss: float | None = None
-    session_t0, session_tokens = time.perf_counter(), 0
+    meter = Meter(run, log)  # loss and tokens/s over the steps since the last progress line
     step = start
     with StopSignal() as stop:
         for step in range(start + 1, total + 1):
-            window_loss += run.inner_step(step)
-            window_steps += 1
-            session_tokens += run.tokens_per_step
+            meter.add(run.inner_step(step))
 
             # DiLoCo: every H inner steps, one outer step syncs the node replicas
             at_outer_boundary = step % cfg.diloco.inner_steps == 0 or step == total
@@ -273,48 +341,21 @@ def _loop(
                 outer.step(step)
 
             if step % cfg.run.log_every == 0 or step == total:
-                mean = window_loss.double() / (window_steps * placement.world_size)
-                run.all_reduce_sum(mean)
-                secs = time.perf_counter() - window_t
-                run.progress["train_seconds"] += secs
-                tps = window_steps * run.tokens_per_step / secs
-                last_loss = float(mean)
-                lr = lr_at(step, cfg.optim, total)
-                run.metrics.write(
-                    {
-                        "step": step,
-                        "loss": last_loss,
-                        "lr": lr,
-                        "tokens": run.progress["tokens"],
-                        "tokens_per_s": tps,
-                    }
-                )
-                log.info(
-                    f"step {step}/{total} | loss {last_loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s"
-                )
-                window_loss.zero_()
-                window_steps = 0
-                window_t = time.perf_counter()
-
+                meter.report(step)
             # with DiLoCo a stop waits for the next outer step, so checkpoints hold synced weights
             stopping = stop.agreed(placement) and (outer is None or at_outer_boundary)
-            checkpoint_due = run.ckpt is not None and run.ckpt.due(step)
-            if outer is not None and not at_outer_boundary:
-                checkpoint_due = False
-            paused = time.perf_counter()
-            if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
-                eval_loss = run.evaluate()
-                run.metrics.write({"step": step, "eval_loss": eval_loss})
-                log.info(f"step {step}/{total} | held-out loss {eval_loss:.4f}")
-            if stopping or step == total or checkpoint_due:
-                run.checkpoint(step)
+            checkpoint_due = run.checkpoint_due(step) and (outer is None or at_outer_boundary)
+            with meter.paused():  # evaluation and checkpoints are not training time
+                if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
+                    eval_loss = run.evaluate_and_record(step)
+                if stopping or step == total or checkpoint_due:
+                    run.checkpoint(step)
             if stopping:
                 log.info(
                     f"{stop.signal} received: stopped after step {step} and checkpointed; "
                     "rerun the same command to resume"
                 )
                 break
-            window_t += time.perf_counter() - paused  # eval and checkpoints are not training
     if run.ckpt is not None:
         run.ckpt.wait()
     return finish(
@@ -324,9 +365,9 @@ def _loop(
         log,
         step,
         start,
-        last_loss,
+        meter.last_loss,
         eval_loss,
         stop.signal,
-        time.perf_counter() - session_t0,
-        session_tokens,
+        time.perf_counter() - meter.t0,
+        meter.session_tokens,
     )
