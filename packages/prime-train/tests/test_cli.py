@@ -86,10 +86,15 @@ def test_debug_config_short(tmp_path):
         "60",
         "--ckpt.every",
         "60",
+        "--launch.local_nodes",
+        "1",
     )
     check_debug_run(r, tmp_path / "debug", 120)
     # a different config in the same run folder is refused, nothing overwritten
-    r2 = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), "--train.steps", "99")
+    r2 = run_cli(
+        "--config", str(DEBUG), "--run.runs_dir", str(tmp_path), "--train.steps", "99",
+        "--launch.local_nodes", "1",
+    )  # fmt: skip
     assert r2.returncode == 2 and "different config" in r2.stderr and "train.steps" in r2.stderr
     assert "Traceback" not in r2.stderr
     # prime-train plot RUN_DIR redraws the curve for any run
@@ -104,4 +109,6 @@ def test_debug_config_short(tmp_path):
 def test_debug_config_full(tmp_path):
     r = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), timeout=290)
     summary = check_debug_run(r, tmp_path / "debug", 500)
-    assert summary["tokens"] == 500 * 16 * 128
+    assert summary["tokens"] == 500 * 16 * 128  # per node
+    assert "[node 1 rank 0] done: 500/500 steps" in r.stdout
+    assert summary["diloco"]["outer_steps"] == 10 and summary["diloco"]["nodes_now"] == 2

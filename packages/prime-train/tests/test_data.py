@@ -65,7 +65,7 @@ def test_glob_and_stdlib(corpus):
 
 
 def test_hf_tokenizer(corpus, tmp_path):
-    tokenizers = pytest.importorskip("tokenizers", reason="install prime-train[hf] to test")
+    import tokenizers  # a dev dependency of the workspace (prime-train[hf] for users)
     from tokenizers import models, pre_tokenizers, trainers
 
     tk = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))

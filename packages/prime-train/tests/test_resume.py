@@ -16,9 +16,6 @@ from prime_train.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[3]
 DEBUG = REPO / "configs" / "debug.toml"
 STEPS = 30
-needs_ckpt = pytest.mark.skipif(
-    not checkpointing.available(), reason="prime_ckpt.CheckpointManager has not landed yet"
-)
 
 
 def args(runs_dir, steps=STEPS, *extra):
@@ -27,6 +24,8 @@ def args(runs_dir, steps=STEPS, *extra):
         str(DEBUG),
         "--run.runs_dir",
         str(runs_dir),
+        "--launch.local_nodes",
+        "1",
         "--run.log_every",
         "1",
         "--data.path",
@@ -108,7 +107,6 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_0(children, tmp_path):
     assert summary["stopped_by"] == "SIGTERM" and 3 <= summary["steps"] < STEPS
 
 
-@needs_ckpt
 def test_sigterm_then_rerun_resumes_exactly(children, tmp_path, reference):
     rc, out, err = start_and_signal(children, tmp_path, signal.SIGTERM, 7)
     assert rc == 0, err[-2000:]
@@ -119,7 +117,6 @@ def test_sigterm_then_rerun_resumes_exactly(children, tmp_path, reference):
     assert losses(tmp_path / "debug") == reference  # bit-identical train and held-out losses
 
 
-@needs_ckpt
 def test_sigkill_then_rerun_resumes_exactly_from_last_checkpoint(children, tmp_path, reference):
     rc, _, _ = start_and_signal(children, tmp_path, signal.SIGKILL, 12)
     assert rc == -signal.SIGKILL
