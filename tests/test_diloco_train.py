@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_ckpt import fetch_from_peer
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
 
@@ -57,6 +58,12 @@ def start_node(children, k, address, args, log_path):
                               stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
 
 
+def node0_url(coord) -> str:
+    """Node 0 registered first (see start_node's callers), so it is the lowest node id."""
+    nodes = sorted(coord.status()["nodes"], key=lambda n: int(n["node_id"].split("-")[1]))
+    return nodes[0]["metadata"]["serve_url"]
+
+
 def outer_hashes(run_dir: Path, node: int) -> dict[int, str]:
     name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
     return {
@@ -97,11 +104,20 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
     try:
         args = cli_args(runs, token_cache, "--launch.local_nodes", "2")
         n0 = start_node(children, 0, coord.address, args, tmp_path / "node0.log")
+        wait_until(lambda: len(coord.status()["nodes"]) == 1, 120, what="node 0 to register")
         n1 = start_node(children, 1, coord.address, args, tmp_path / "node1.log")
         run_dir = runs / "debug"
         wait_until(lambda: 1 in outer_hashes(run_dir, 1) or n1.poll() is not None, 200,
                    what="node 1's first outer step")  # fmt: skip
         assert n1.poll() is None, (tmp_path / "node1.log").read_text()[-3000:]
+        # each node advertises its checkpoint server in the mesh: a joiner could fetch from it
+        urls = {n["metadata"]["serve_url"] for n in coord.status()["nodes"]}
+        assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
+        wait_until(lambda: (run_dir / "ckpt-node1" / "step-0000000020").is_dir(), 60,
+                   what="node 1's step-20 checkpoint")  # fmt: skip
+        node1_url = next(u for u in urls if u != node0_url(coord))
+        fetched = fetch_from_peer([node1_url], tmp_path / "joiner", token=TOKEN)
+        assert fetched >= 20
         n1.send_signal(signal.SIGKILL)
         assert n0.wait(timeout=200) == 0, (tmp_path / "node0.log").read_text()[-3000:]
     finally:
@@ -114,6 +130,7 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
     assert "done: 60/60 steps" in log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children):
     def run_nodes(runs, stop_after_outer=None):

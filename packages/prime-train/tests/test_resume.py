@@ -127,6 +127,7 @@ def test_sigkill_then_rerun_resumes_exactly_from_last_checkpoint(children, tmp_p
     assert losses(tmp_path / "debug") == reference
 
 
+@pytest.mark.slow
 def test_two_ranks_via_torchrun(tmp_path, port):
     """FSDP2 over 2 CPU ranks (gloo) started by torchrun: shards the model, trains, learns."""
     cmd = [

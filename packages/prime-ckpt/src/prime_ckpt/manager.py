@@ -232,9 +232,14 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             self._remote.download(step, tmp)
-        except CorruptCheckpoint:
+        except CorruptCheckpoint as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if self.rank == 0:  # a copy that fails its own manifest is never good: clean it
+                try:
+                    self._remote.delete(step)
+                except Exception as de:  # cleaning is best effort; the step stays skipped
+                    e = CorruptCheckpoint(f"{e}; could not remove it: {de}")
+            raise e from None
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CorruptCheckpoint(f"download from {self._remote.url} failed: {e}") from None

@@ -2,7 +2,7 @@
 
 Object stores cannot rename, so a step's data files are uploaded first and its manifest last:
 the manifest marks the commit. A step prefix without a manifest is torn and is removed by the
-uploader; a step whose files fail the manifest is skipped by loads. Files may be compressed
+uploader; a step whose files fail the manifest is skipped by loads and removed. Files may be compressed
 with zstd (recorded in the remote manifest); checksums are always of the uncompressed bytes.
 """
 

@@ -115,6 +115,14 @@ class Checkpointer:
             close()
 
 
+def checkpoint_dir(cfg, local_node: int | None) -> Path:
+    """Where this node keeps its checkpoints. Nodes simulated on one machine (`local_node`
+    from the launcher) each get their own folder; a node on its own machine uses `ckpt/`."""
+    if cfg.ckpt.dir is not None:
+        return cfg.ckpt.dir / f"node{local_node}" if local_node else cfg.ckpt.dir
+    return cfg.run_dir / ("ckpt" if not local_node else f"ckpt-node{local_node}")
+
+
 def committed_steps(ckpt_dir: Path) -> list[int]:
     """Steps committed on disk under `ckpt_dir` (each is verified when loaded)."""
     from prime_ckpt.manifest import MANIFEST_NAME, parse_step_dirname

@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"config error: {e}")
 
     from prime_train.diloco_node import local_node_index
+    from prime_train.parallel import pick_device
+
+    try:  # before any node starts or joins a mesh
+        pick_device(cfg.train.device)
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
 
     if cfg.launch.local_nodes > 1 and local_node_index() is None and not cfg.mesh.coordinator:
         from prime_train.launch import launch_local_nodes, local_coordinator

@@ -42,14 +42,23 @@ class DilocoNode:
 
         self.cfg, self.log = cfg, log
         token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
-        self.mesh = ElasticDeviceMesh(
-            cfg.mesh.coordinator,
-            host=cfg.mesh.host,
-            metadata={"config_hash": cfg.fingerprint_hash(), "serve_url": None},
-            token=token,
-            heartbeat_interval=cfg.mesh.heartbeat_interval_s,
-            heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
-        )
+        self.server = self._serve_checkpoints(token)
+        try:
+            self.mesh = ElasticDeviceMesh(
+                cfg.mesh.coordinator,
+                host=cfg.mesh.host,
+                metadata={
+                    "config_hash": cfg.fingerprint_hash(),
+                    "serve_url": self.server.url if self.server else None,
+                },
+                token=token,
+                heartbeat_interval=cfg.mesh.heartbeat_interval_s,
+                heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
+            )
+        except BaseException:
+            if self.server is not None:
+                self.server.close()
+            raise
         hint = local_node_index()
         self.node = hint if hint is not None else self.mesh.global_rank
         self.num_nodes = max(cfg.launch.local_nodes, self.mesh.global_world_size)
@@ -61,6 +70,21 @@ class DilocoNode:
             f"joined the mesh as {self.mesh.node_id}: epoch {self.mesh.epoch}, "
             f"rank {self.mesh.global_rank} of {self.mesh.global_world_size} nodes"
         )
+
+    def _serve_checkpoints(self, token: str | None):
+        """Share this node's newest checkpoint with joining peers (local rank 0 only)."""
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+            return None
+        from prime_ckpt import serve_directory
+        from prime_train.checkpointing import checkpoint_dir
+
+        folder = checkpoint_dir(self.cfg, local_node_index())
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            return serve_directory(folder, host=self.cfg.mesh.host or "127.0.0.1", token=token)
+        except (OSError, ValueError) as e:  # training goes on; joiners use another peer
+            self.log.warn(f"cannot serve checkpoints to joining peers: {e}")
+            return None
 
     def attach(self, params: list[torch.Tensor], metrics=None) -> None:
         """Take the model's (sharded) parameters as the outer weights."""
@@ -141,3 +165,5 @@ class DilocoNode:
 
     def close(self) -> None:
         self.mesh.close()
+        if self.server is not None:
+            self.server.close()

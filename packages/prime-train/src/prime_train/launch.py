@@ -31,11 +31,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def _pump(stream, prefix: str, out) -> None:
+def _pump(stream, prefix: str, out, errors: list[str]) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
         # a carriage-return progress bar becomes its latest state on one prefixed line
         line = line.rsplit("\r", 1)[-1]
+        if line.startswith("prime-train: "):  # a node's one-line error for a user mistake
+            errors.append(line)
         # the trainer's own lines already say "[node k rank r]"; tracebacks and others do not
         out.write(f"{line}\n" if line.startswith("[node ") else f"{prefix}{line}\n")
         out.flush()
@@ -58,11 +60,11 @@ def launch_local_nodes(
     stop_requests = 0
     procs: list[subprocess.Popen] = []
 
-    def on_signal(signum, _frame):
+    def on_signal(signum, frame):  # frame is None when a node's error, not Ctrl-C, stops the run
         nonlocal stop_requests
         stop_requests += 1
         sig = signal.SIGINT if stop_requests == 1 else signal.SIGKILL
-        if stop_requests == 1:
+        if stop_requests == 1 and frame is not None:
             print(
                 "[launch] stopping: each node finishes its step and checkpoints "
                 "(Ctrl-C again to kill)",
@@ -78,6 +80,7 @@ def launch_local_nodes(
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     pumps: list[threading.Thread] = []
+    errors: list[str] = []
     try:
         os.environ["PRIME_TOKEN"] = token  # the in-process coordinator reads it too
         with coordinator(nodes) as coord:
@@ -112,11 +115,11 @@ def launch_local_nodes(
                 # one registration at a time: node k gets rank k, so reruns sum in the same order
                 _wait_registered(coord, k + 1, p)
                 t = threading.Thread(
-                    target=_pump, args=(p.stdout, f"[node {k}] ", sys.stdout), daemon=True
+                    target=_pump, args=(p.stdout, f"[node {k}] ", sys.stdout, errors), daemon=True
                 )
                 t.start()
                 pumps.append(t)
-            codes = _wait_all(procs, lambda: stop_requests > 0, grace)
+            codes = _wait_all(procs, lambda: stop_requests > 0, grace, on_user_error=on_signal)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -126,6 +129,10 @@ def launch_local_nodes(
                 p.wait(timeout=10)
         for t in pumps:
             t.join(timeout=5)
+    if 2 in codes:  # a mistake in the config or data: say it once, like a single node would
+        for line in dict.fromkeys(errors):
+            print(line, file=sys.stderr, flush=True)
+        return 2
     for k, code in enumerate(codes):
         if code != 0:
             print(f"[launch] node {k} exited with code {code}", file=sys.stderr, flush=True)
@@ -140,10 +147,19 @@ def _wait_registered(coord: Any, count: int, proc: subprocess.Popen, timeout=300
         time.sleep(0.05)
 
 
-def _wait_all(procs: list[subprocess.Popen], stopping: Callable[[], bool], grace: float):
-    """Wait for every node; once a stop was requested, give them `grace` seconds, then kill."""
+def _wait_all(
+    procs: list[subprocess.Popen],
+    stopping: Callable[[], bool],
+    grace: float,
+    on_user_error: Callable[[int, Any], None],
+):
+    """Wait for every node; once a stop was requested, give them `grace` seconds, then kill.
+    A node that exits 2 (a user mistake the others share) stops the rest instead of leaving
+    them waiting for a peer that will never come."""
     stop_seen_at = None
     while any(p.poll() is None for p in procs):
+        if not stopping() and any(p.returncode == 2 for p in procs):
+            on_user_error(signal.SIGINT, None)
         if stopping() and stop_seen_at is None:
             stop_seen_at = time.monotonic()
         if stop_seen_at is not None and time.monotonic() - stop_seen_at > grace:
@@ -162,7 +178,17 @@ def _wait_all(procs: list[subprocess.Popen], stopping: Callable[[], bool], grace
 @contextmanager
 def local_coordinator(nodes: int) -> Iterator[Any]:
     """A mesh coordinator in this process for `nodes` local nodes (has .address, .status())."""
+    import logging
+
     from prime_mesh import Coordinator
+
+    # membership changes are progress for a person to read, beside the nodes' lines
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[coordinator] %(message)s"))
+    mesh_log = logging.getLogger("prime_mesh")
+    mesh_log.addHandler(handler)
+    mesh_log.setLevel(logging.INFO)
+    mesh_log.propagate = False
 
     coordinator = Coordinator("127.0.0.1", port=0, min_nodes=nodes).start()
     try:

@@ -86,7 +86,7 @@ class Run:
         self.metrics = Metrics(
             self.run_dir / f"metrics{node_suffix}.jsonl" if self.primary else None
         )
-        self.ckpt_dir = cfg.ckpt.dir or self.run_dir / f"ckpt{node_suffix}"
+        self.ckpt_dir = checkpointing.checkpoint_dir(cfg, local_node_index())
         group = placement.group if placement.world_size > 1 else None
         self.ckpt: checkpointing.Checkpointer | None = None
         self.diloco: DilocoNode | None = None  # set by train() for a multi-node run
