@@ -158,7 +158,7 @@ def wan_runs(donor_dir: Path, scratch: Path, size: int, args) -> dict[int, float
     return best
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -173,7 +173,7 @@ def main() -> int:
         default=None,
         help="also fetch across two namespaces with links of this rate (root)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     scratch = Path(tempfile.mkdtemp(prefix="ckpt_peer_", dir=args.dir))
     try:

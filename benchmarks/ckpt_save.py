@@ -10,6 +10,8 @@ All figures are measured in the same run, on the same state and the same disk fo
 - the same for `torch.distributed.checkpoint.async_save` (what a user would pick instead);
 - staging rate (bytes / blocking time) vs a torch `copy_` of the same bytes into RAM;
 - time until durable on disk (save() until wait() returns);
+- with --peer: peer-transfer throughput on loopback vs a raw socket copy of the same bytes,
+  1 and several connections (benchmarks/ckpt_peer.py, which also runs on its own);
 - with --s3: upload time of one committed checkpoint to a local moto S3 server (via s3fs) vs
   a plain s3fs `put_file` of the same bytes.
 """
@@ -186,6 +188,11 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=10)
     p.add_argument("--dcp-saves", type=int, default=5)
     p.add_argument("--s3", action="store_true", help="also time the upload to a local moto S3")
+    p.add_argument(
+        "--peer",
+        action="store_true",
+        help="also run the peer-transfer benchmark (benchmarks/ckpt_peer.py, its defaults)",
+    )
     a = p.parse_args()
     if a.saves < 3:
         p.error("--saves must be at least 3 (the median is over saves 3..N)")
@@ -250,9 +257,15 @@ def main() -> int:
                 f"{gib_up / s3['upload']:.2f} GiB/s vs s3fs put_file of the same bytes "
                 f"{s3['raw']:.2f} s ({s3['raw'] / s3['upload']:.2f}x its rate)"
             )
-        return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if a.peer:
+        print("\n== peer transfer (benchmarks/ckpt_peer.py) ==", flush=True)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import ckpt_peer
+
+        return ckpt_peer.main([] if a.dir is None else ["--dir", a.dir])
+    return 0
 
 
 if __name__ == "__main__":
