@@ -261,8 +261,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     if a.peer:
         print("\n== peer transfer (benchmarks/ckpt_peer.py) ==", flush=True)
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import ckpt_peer
+        import ckpt_peer  # this script's folder is sys.path[0]
 
         return ckpt_peer.main([] if a.dir is None else ["--dir", a.dir])
     return 0
