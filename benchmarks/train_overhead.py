@@ -23,7 +23,8 @@ from prime_train.config_load import load_config
 from prime_train.metrics import read_metrics
 from prime_train.model import Transformer, model_args
 from prime_train.optim import lr_at, make_optimizer, set_lr
-from prime_train.parallel import build_model, init_placement
+from prime_train.parallel import build_model
+from prime_train.placement import init_placement
 from prime_train.trainer import train
 
 
@@ -67,18 +68,17 @@ def make_config(a: argparse.Namespace, runs_dir: str, name: str):
 
 def bare_loop(cfg, warmup: int, steps: int) -> float:
     """The reference: the same FSDP2 model and AdamW, pre-made batches, nothing else."""
-    placement = init_placement(cfg.train)
+    placement = init_placement(cfg)
     try:
         args = model_args(
             cfg.model.preset,
             dim=cfg.model.dim,
             n_layers=cfg.model.n_layers,
-            vocab_size=257 if cfg.model.preset == "debug" else None,
             max_seq_len=cfg.data.seq_len,
         )
         with torch.device("meta"):
             model = Transformer(args)
-        build_model(model, placement, cfg.train, seed=0)
+        build_model(model, placement.device_mesh, placement.device, cfg.train, seed=0)
         opt = make_optimizer(model, cfg.optim)
         params = list(model.parameters())
         g = torch.Generator().manual_seed(0)

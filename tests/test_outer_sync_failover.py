@@ -28,14 +28,15 @@ def _node(k, address, q):
     torch.set_num_threads(1)
     os.environ["PRIME_TOKEN"] = TOKEN
     from prime_mesh import ElasticDeviceMesh
-    from prime_train.outer_sync import OuterSync
+    from prime_train.config import DilocoConfig
+    from prime_train.diloco import Diloco
 
     mesh = ElasticDeviceMesh(
         address, host="127.0.0.1", heartbeat_interval=0.5, heartbeat_timeout=3.0
     )
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 16)
-    sync = OuterSync(OuterOptimizer(model.parameters()), mesh, compression="none")
+    diloco = Diloco(DilocoConfig(compression="none"), mesh, list(model.parameters()))
     for r in range(ROUNDS):
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
@@ -44,9 +45,11 @@ def _node(k, address, q):
             q.close()
             q.join_thread()  # what this node reported so far reaches the test first
             os.kill(os.getpid(), signal.SIGKILL)
-        report = sync.step()
-        digest = hashlib.sha256(sync.outer.outer.numpy().tobytes()).hexdigest()
-        q.put((k, r, report.world_size, report.attempts, digest, sync.outer.outer.numpy().copy()))
+        diloco.start(r)
+        report = diloco.finish()
+        weights = diloco.optimizer.weights.numpy()
+        assert report.outer_sha256 == hashlib.sha256(weights.tobytes()).hexdigest()
+        q.put((k, r, report.nodes, report.attempts, report.outer_sha256, weights.copy()))
     mesh.close()
 
 
@@ -59,12 +62,12 @@ def expected_outer():
     trajectory = []
     for r in range(ROUNDS):
         alive = [k for k in range(NODES) if not (k == KILLED and r >= KILL_ROUND)]
-        views = outer._views
+        views = [outer.weights[:512].view(16, 32), outer.weights[512:]]  # weight, bias
         # every node's model equals the outer weights after a step, plus its own perturbation
         currents = [
             [v + perturbation(v.shape, r, 10 * k + i) for i, v in enumerate(views)] for k in alive
         ]
-        outer.pseudo_grad.copy_(
+        outer.pseudo_gradient.copy_(
             torch.cat(
                 [
                     torch.stack([v - c[i] for c in currents]).mean(0).flatten()
@@ -73,7 +76,7 @@ def expected_outer():
             )
         )
         outer.apply()
-        trajectory.append(outer.outer.clone())
+        trajectory.append(outer.weights.clone())
     return trajectory
 
 

@@ -1,9 +1,6 @@
 """The `prime-train` command end to end: the debug config, the plot command, bad input."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +10,7 @@ REPO = Path(__file__).resolve().parents[3]
 DEBUG = REPO / "configs" / "debug.toml"
 
 
-def run_cli(*args, timeout=280):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
-    return subprocess.run(
-        [sys.executable, "-m", "prime_train.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
-def test_missing_config_is_one_clear_line(tmp_path):
+def test_missing_config_is_one_clear_line(tmp_path, run_cli):
     missing = tmp_path / "nope.toml"
     r = run_cli("--config", str(missing))
     assert r.returncode == 2
@@ -32,7 +18,7 @@ def test_missing_config_is_one_clear_line(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_bad_data_path_is_clear(tmp_path):
+def test_bad_data_path_is_clear(tmp_path, run_cli):
     r = run_cli(
         "--config",
         str(DEBUG),
@@ -53,7 +39,7 @@ def test_bad_data_path_is_clear(tmp_path):
         (["--train.device", "cuda"], "no CUDA device"),
     ],
 )
-def test_combined_settings_errors_are_clear(tmp_path, override, expect):
+def test_combined_settings_errors_are_clear(tmp_path, override, expect, run_cli):
     if "cuda" in override and torch.cuda.is_available():
         pytest.skip("a CUDA device is present: 'cuda' is valid here")
     r = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), *override)
@@ -74,7 +60,7 @@ def check_debug_run(r, run_dir, steps):
     return summary
 
 
-def test_debug_config_short(tmp_path):
+def test_debug_config_short(tmp_path, run_cli):
     r = run_cli(
         "--config",
         str(DEBUG),
@@ -106,7 +92,7 @@ def test_debug_config_short(tmp_path):
 
 
 @pytest.mark.slow
-def test_debug_config_full(tmp_path):
+def test_debug_config_full(tmp_path, run_cli):
     r = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), timeout=290)
     summary = check_debug_run(r, tmp_path / "debug", 500)
     assert summary["tokens"] == 500 * 16 * 128  # per node

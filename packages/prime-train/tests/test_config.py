@@ -1,9 +1,6 @@
 """Config parsing: precedence, every error path, secrets, --help."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -139,19 +136,7 @@ def test_describe_fields_covers_every_key():
             assert f"--{section}.{key} " in text
 
 
-def run_cli(*args, env=None, cwd=None):
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "prime_train.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=full_env,
-        cwd=cwd,
-    )
-
-
-def test_cli_config_errors_exit_2_without_traceback(tmp_path):
+def test_cli_config_errors_exit_2_without_traceback(tmp_path, run_cli):
     bad = write(tmp_path, "[train]\nstepz = 3\n")
     r = run_cli("--config", str(bad))
     assert r.returncode == 2, r.stderr
@@ -163,7 +148,7 @@ def test_cli_config_errors_exit_2_without_traceback(tmp_path):
     assert r.returncode == 2 and "PRIME_TRAIN__STEPS" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_cli_help_documents_fields():
+def test_cli_help_documents_fields(run_cli):
     r = run_cli("--help")
     assert r.returncode == 0
     for piece in (

@@ -4,54 +4,16 @@ import json
 import math
 
 import pytest
+import torch
 
 from prime_train.config import OptimConfig
-from prime_train.config_load import load_config
 from prime_train.metrics import read_metrics
 from prime_train.optim import lr_at
 from prime_train.trainer import train
 
 
-def tiny(tmp_path, *extra, name="t"):
-    return load_config(
-        None,
-        [
-            "--run.runs_dir",
-            str(tmp_path / "runs"),
-            "--run.name",
-            name,
-            "--run.log_every",
-            "5",
-            "--data.path",
-            "{stdlib}/[a-c]*.py",
-            "--data.seq_len",
-            "64",
-            "--train.steps",
-            "40",
-            "--train.batch_size",
-            "8",
-            "--train.device",
-            "cpu",
-            "--train.threads",
-            "1",
-            "--optim.lr",
-            "3e-3",
-            "--optim.warmup_steps",
-            "5",
-            "--eval.every",
-            "20",
-            "--eval.batches",
-            "2",
-            "--ckpt.every",
-            "0",
-            *extra,
-        ],
-        env={},
-    )
-
-
-def test_train_learns_and_records(tmp_path, capsys):
-    cfg = tiny(tmp_path)
+def test_train_learns_and_records(tiny, capsys):
+    cfg = tiny()
     summary = train(cfg)
     out = capsys.readouterr().out
     assert "[node 0 rank 0] step 0/40 | held-out loss" in out
@@ -67,27 +29,50 @@ def test_train_learns_and_records(tmp_path, capsys):
     assert (cfg.run_dir / "loss.png").stat().st_size > 1000
 
 
-def test_options_run(tmp_path):
-    """Activation checkpointing, WSD and the CPU-offload policy all train (a few steps)."""
+def test_options_take_effect(tiny):
+    """CPU offload reaches every FSDP2 unit, activation checkpointing recomputes each block's
+    forward in backward, and the wsd schedule sets the learning rates it defines."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from prime_train.metrics import Log
+    from prime_train.placement import init_placement
+    from prime_train.run import Run
+
     cfg = tiny(
-        tmp_path,
-        "--train.steps",
-        "6",
-        "--train.activation_checkpointing",
-        "true",
-        "--train.cpu_offload",
-        "true",
-        "--optim.schedule",
-        "wsd",
-        "--eval.every",
-        "0",
-    )
-    summary = train(cfg)
-    assert summary.steps == 6 and math.isfinite(summary.final_loss)
+        "--train.steps", "10", "--train.activation_checkpointing", "true",
+        "--train.cpu_offload", "true", "--optim.schedule", "wsd", "--optim.warmup_steps", "2",
+        "--optim.decay_fraction", "0.4", "--optim.min_lr_ratio", "0.0", "--optim.lr", "1e-3",
+    )  # fmt: skip
+    placement = init_placement(cfg)
+    run = Run(cfg, placement, Log(placement.prefix, primary=False))
+    try:
+        units = [m for m in run.model.modules() if isinstance(m, FSDPModule)]
+        assert len(units) == len(run.model.layers) + 1
+        for unit in units:  # no public accessor for a unit's policy: read FSDP2's state
+            policy = unit._get_fsdp_state()._fsdp_param_group.offload_policy
+            assert isinstance(policy, CPUOffloadPolicy), policy
+
+        calls = [0] * len(run.model.layers)
+        for i, block in enumerate(run.model.layers):
+            block.attention.register_forward_hook(
+                lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)
+            )
+        lrs = []
+        for step in range(1, 11):
+            run.inner_step(step)
+            lrs.append(run.opt.param_groups[0]["lr"])
+        # one forward, one recomputation in backward, per block and step
+        assert calls == [20] * len(run.model.layers)
+        # wsd: warm up over 2 steps, hold, then decay linearly to 0 over the last 4
+        want = [5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0]
+        assert lrs == pytest.approx(want, abs=1e-12)
+    finally:
+        run.close()
+        placement.close()
 
 
-def test_synthetic_source(tmp_path):
-    cfg = tiny(tmp_path, "--data.source", "synthetic", "--train.steps", "4", "--eval.every", "0")
+def test_synthetic_source(tiny):
+    cfg = tiny("--data.source", "synthetic", "--train.steps", "4", "--eval.every", "0")
     summary = train(cfg)
     assert summary.steps == 4
     assert summary.initial_heldout_loss == pytest.approx(math.log(257) + 0.5, abs=1.0)
@@ -107,26 +92,42 @@ def test_lr_schedules():
 
 
 @pytest.mark.slow
-def test_compile_trains(tmp_path):
+def test_compile_trains(tiny):
     """torch.compile per block (needs a C compiler on CPU; ~1 min to compile)."""
-    cfg = tiny(tmp_path, "--train.steps", "10", "--train.compile", "true", "--eval.every", "0")
+    cfg = tiny("--train.steps", "10", "--train.compile", "true", "--eval.every", "0")
     summary = train(cfg)
     assert summary.steps == 10 and summary.heldout_loss < summary.initial_heldout_loss
 
 
 class CountingOuter:
-    """Stands in for DiLoCo's outer step: records the steps it runs at."""
+    """Stands in for DiLoCo's outer step: records the steps it runs at, checkpoints a count."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.finished = [], 0
+        self.count = torch.zeros(1)
 
-    def step(self, step):
+    def start(self, step):
         self.calls.append(step)
 
+    def finish(self):
+        self.finished += 1
+        self.count += 1
 
-def test_outer_step_seam_runs_every_h_steps(tmp_path):
+    def state_dict(self):
+        return {"count": self.count, "calls": list(self.calls)}
+
+    def load_state_dict(self, state):
+        self.calls = list(state["calls"])
+
+    def agree_resume_step(self, local_steps):
+        return max(local_steps) if local_steps else None
+
+    def summary(self):
+        return {"outer_steps": int(self.count)}
+
+
+def test_outer_step_seam_runs_every_h_steps_and_is_checkpointed(tiny):
     cfg = tiny(
-        tmp_path,
         "--train.steps",
         "12",
         "--diloco.inner_steps",
@@ -137,22 +138,49 @@ def test_outer_step_seam_runs_every_h_steps(tmp_path):
         "0",
     )
     outer = CountingOuter()
-    train(cfg, outer=outer)
-    assert outer.calls == [4, 8, 12]
+    summary = train(cfg, outer=outer)
+    assert outer.calls == [4, 8, 12] and outer.finished == 3
+    assert summary.diloco == {"outer_steps": 3}
     metrics = (cfg.run_dir / "metrics.jsonl").read_text()
     summary = (cfg.run_dir / "summary.json").read_text()
     again = CountingOuter()
     train(cfg, outer=again)  # complete: loads the step-12 checkpoint, trains nothing
-    assert again.calls == []
+    assert again.finished == 0
+    assert again.calls == [4, 8, 12] and int(again.count) == 3  # its state came back
     assert (cfg.run_dir / "metrics.jsonl").read_text() == metrics
     assert (cfg.run_dir / "summary.json").read_text() == summary
 
 
-def test_setup_error_releases_the_process_group(tmp_path):
+def test_setup_error_releases_the_process_group(tiny):
     import torch.distributed as dist
 
     from prime_train.config_load import ConfigError
 
     with pytest.raises(ConfigError, match="model.vocab_size >= 257"):
-        train(tiny(tmp_path, "--model.vocab_size", "100"))
+        train(tiny("--model.vocab_size", "100"))
     assert not dist.is_initialized()  # a later train() in this process can start afresh
+
+
+def test_readme_library_example_as_written(tmp_path, cli_env):
+    """The README's library example, run from a folder laid out like the repository."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    readme = (repo / "packages" / "prime-train" / "README.md").read_text()
+    example = re.search(r"Used as a library.*?```python\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "configs").symlink_to(repo / "configs")
+    r = subprocess.run(
+        [sys.executable, "-c", example],
+        cwd=tmp_path,
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    ratio = float(re.search(r"held-out loss ([0-9.]+)x step 0's", r.stdout).group(1))
+    assert ratio < 1.0
+    assert (tmp_path / "runs" / "lib" / "summary.json").is_file()

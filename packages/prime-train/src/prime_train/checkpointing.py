@@ -13,24 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def _manager_class():
-    try:
-        from prime_ckpt import CheckpointManager
-    except ImportError as e:  # prime-ckpt is a declared dependency; this is an install problem
-        raise RuntimeError(
-            f"checkpoints need prime_ckpt.CheckpointManager ({e}); reinstall the workspace "
-            "with `uv sync`"
-        ) from None
-    return CheckpointManager
-
-
-def available() -> bool:
-    try:
-        _manager_class()
-    except RuntimeError:
-        return False
-    return True
+from prime_ckpt import CheckpointManager
+from prime_ckpt.manifest import committed_steps
 
 
 def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
@@ -83,7 +67,7 @@ class Checkpointer:
         kwargs: dict[str, Any] = {"shm_dir": shm_dir, "keep": keep, "group": group}
         if remote is not None:
             kwargs["remote"] = remote
-        self.manager = _manager_class()(disk_dir, **kwargs)
+        self.manager = CheckpointManager(disk_dir, **kwargs)
         self.last_saved: int | None = None
 
     def due(self, step: int) -> bool:
@@ -109,29 +93,17 @@ class Checkpointer:
     def wait(self) -> None:
         self.manager.wait()
 
+    def committed_steps(self) -> list[int]:
+        """Steps committed on disk in this node's folder (each is verified when loaded)."""
+        return committed_steps(self.disk_dir)
+
     def close(self) -> None:
-        close = getattr(self.manager, "close", None)
-        if callable(close):
-            close()
+        self.manager.close()
 
 
-def checkpoint_dir(cfg, local_node: int | None) -> Path:
-    """Where this node keeps its checkpoints. Nodes simulated on one machine (`local_node`
-    from the launcher) each get their own folder; a node on its own machine uses `ckpt/`."""
+def checkpoint_dir(cfg, launcher_index: int | None) -> Path:
+    """Where this node keeps its checkpoints. Nodes simulated on one machine (`launcher_index`
+    from the local launcher) each get their own folder; a node on its own machine uses `ckpt/`."""
     if cfg.ckpt.dir is not None:
-        return cfg.ckpt.dir / f"node{local_node}" if local_node else cfg.ckpt.dir
-    return cfg.run_dir / ("ckpt" if not local_node else f"ckpt-node{local_node}")
-
-
-def committed_steps(ckpt_dir: Path) -> list[int]:
-    """Steps committed on disk under `ckpt_dir` (each is verified when loaded)."""
-    from prime_ckpt.manifest import MANIFEST_NAME, parse_step_dirname
-
-    if not ckpt_dir.is_dir():
-        return []
-    steps = []
-    for p in ckpt_dir.iterdir():
-        s = parse_step_dirname(p.name)
-        if s is not None and (p / MANIFEST_NAME).is_file():
-            steps.append(s)
-    return sorted(steps)
+        return cfg.ckpt.dir / f"node{launcher_index}" if launcher_index else cfg.ckpt.dir
+    return cfg.run_dir / ("ckpt" if not launcher_index else f"ckpt-node{launcher_index}")

@@ -63,21 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(f"config error: {e}")
 
-    from prime_train.diloco_node import local_node_index
-    from prime_train.parallel import pick_device
+    from prime_train.placement import launcher_index, pick_device
 
     try:  # before any node starts or joins a mesh
         pick_device(cfg.train.device)
     except ConfigError as e:
         return _fail(f"config error: {e}")
 
-    if cfg.launch.local_nodes > 1 and local_node_index() is None and not cfg.mesh.coordinator:
+    if cfg.launch.local_nodes > 1 and launcher_index() is None and not cfg.mesh.coordinator:
         from prime_train.launch import launch_local_nodes, local_coordinator
 
         return launch_local_nodes(argv, cfg.launch.local_nodes, local_coordinator)
 
     from prime_mesh import MeshError
-    from prime_train.outer_sync import OuterStepFailed
+    from prime_train.diloco import OuterStepFailed
     from prime_train.rundir import RunDirError
     from prime_train.tokens import DataError
     from prime_train.trainer import train

@@ -1,8 +1,8 @@
 """The run's configuration: typed pydantic sections, one per TOML table.
 
 Every field has a default and a description; `prime-train --help` prints them. Sections
-`[launch]`, `[mesh]` and `[diloco]` are validated now but only used by the multi-node
-trainer (DiLoCo, part 2): a single node ignores them.
+`[launch]`, `[mesh]` and `[diloco]` configure a multi-node (DiLoCo) run; a single node
+without `mesh.coordinator` ignores them.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class CkptConfig(Section):
 
 class LaunchConfig(Section):
     local_nodes: int = Field(
-        1, ge=1, le=64, description="nodes simulated as local processes (multi-node: part 2)"
+        1, ge=1, le=64, description="nodes simulated as local processes on this machine"
     )
 
 

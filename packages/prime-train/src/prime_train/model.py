@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from prime_train.tokens import BYTE_VOCAB_SIZE
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -21,7 +23,7 @@ class ModelArgs:
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int | None = None
-    vocab_size: int = 257
+    vocab_size: int = BYTE_VOCAB_SIZE
     multiple_of: int = 32
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
@@ -51,7 +53,7 @@ class ModelArgs:
 # 150M and 1B: the shapes of INTELLECT-1's small runs (Llama-2 tokenizer, 32000 tokens);
 # 7B: Llama-2 7B; 10B: INTELLECT-1 (Llama-3 tokenizer, 128256 tokens, GQA with 8 KV heads).
 PRESETS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=257),
+    "debug": ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=BYTE_VOCAB_SIZE),
     "150M": ModelArgs(dim=1024, n_layers=12, n_heads=16, vocab_size=32000, multiple_of=256),
     "1B": ModelArgs(dim=2048, n_layers=18, n_heads=16, vocab_size=32000, multiple_of=256),
     "7B": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256),

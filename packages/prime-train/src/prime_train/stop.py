@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prime_train.parallel import Placement
+from prime_train.placement import Placement
 
 
 class StopSignal:

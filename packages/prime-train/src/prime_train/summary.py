@@ -5,12 +5,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from prime_train.metrics import Log, plot_run, read_metrics, write_atomic
+from prime_train.metrics import plot_run, read_metrics, write_atomic
+from prime_train.run import Run
+from prime_train.seam import OuterStep
 
-if TYPE_CHECKING:
-    from prime_train.trainer import Run
+
+@dataclass
+class LoopEnd:
+    """How the loop ended, as the loop saw it."""
+
+    step: int
+    start: int  # the step it resumed from (0: a fresh run)
+    last_loss: float | None  # the last progress line's mean loss (None: no step this session)
+    eval_loss: float | None
+    stopped_by: str | None  # the signal that stopped it early, if one did
+    seconds: float
+    session_tokens: int  # tokens trained in this process (not counting resumed ones)
 
 
 @dataclass
@@ -30,22 +41,13 @@ class Summary:
     diloco: dict | None = None  # outer steps, bytes communicated and settings (multi-node)
 
 
-def finish(
-    cfg,
-    run: Run,
-    placement,
-    log: Log,
-    step,
-    start,
-    last_loss,
-    eval_loss,
-    stopped_by,
-    seconds,
-    session_tokens,
-) -> Summary:
+def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
+    """Build the summary from the loop's end and the metrics file; write and print it."""
+    cfg = run.cfg
     records = read_metrics(run.metrics.path) if run.metrics.path else []
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     initial = evals[0] if evals else None
+    last_loss, eval_loss = end.last_loss, end.eval_loss
     if last_loss is None:
         losses = [r["loss"] for r in records if "loss" in r]
         last_loss = losses[-1] if losses else None
@@ -55,35 +57,34 @@ def finish(
     if run.metrics.path is not None and records:
         run.metrics.close()
         plot = str(plot_run(run.run_dir))
+    seconds = end.seconds
     summary = Summary(
-        steps=step,
+        steps=end.step,
         final_loss=last_loss,
         heldout_loss=eval_loss,
         initial_heldout_loss=initial,
         tokens=int(run.progress["tokens"]),
         seconds=seconds,
-        tokens_per_s=session_tokens / seconds if seconds > 0 else 0.0,
+        tokens_per_s=end.session_tokens / seconds if seconds > 0 else 0.0,
         run_dir=str(run.run_dir),
         checkpoint_dir=str(run.ckpt_dir),
         plot=plot,
-        stopped_by=stopped_by,
-        resumed_from=start or None,
-        diloco=_diloco_summary(cfg, run),
+        stopped_by=end.stopped_by,
+        resumed_from=end.start or None,
+        diloco=outer.summary() if outer is not None else None,
     )
     if not run.primary:
         return summary
-    summary_file = run.run_dir / (
-        "summary.json" if placement.node == 0 else f"summary-node{placement.node}.json"
-    )
-    if session_tokens or not summary_file.exists():  # a no-op rerun keeps the real figures
+    summary_file = run.run_dir / f"summary{run.placement.node.suffix}.json"
+    if end.session_tokens or not summary_file.exists():  # a no-op rerun keeps the real figures
         write_atomic(summary_file, json.dumps(asdict(summary), indent=2) + "\n")
     ratio = (
         f" ({eval_loss / initial:.2f}x the step-0 {initial:.4f})"
         if eval_loss is not None and initial
         else ""
     )
-    log.info(
-        f"{'stopped' if stopped_by else 'done'}: {step}/{cfg.train.steps} steps | "
+    run.log.info(
+        f"{'stopped' if end.stopped_by else 'done'}: {end.step}/{cfg.train.steps} steps | "
         f"train loss {_fmt(last_loss)} | held-out loss {_fmt(eval_loss)}{ratio} | "
         f"{summary.tokens:,} tokens | {seconds:.1f} s, {summary.tokens_per_s:,.0f} tok/s\n"
         + _diloco_line(summary.diloco)
@@ -93,22 +94,13 @@ def finish(
     return summary
 
 
-def _diloco_summary(cfg, run: Run) -> dict | None:
-    if run.diloco is None:
-        return None
-    d = cfg.diloco
-    return {
-        **run.diloco.totals,
-        "inner_steps": d.inner_steps,
-        "outer_lr": d.outer_lr,
-        "outer_momentum": d.outer_momentum,
-        "compression": d.compression,
-        "nodes_now": run.diloco.mesh.global_world_size,
-    }
+_DILOCO_KEYS = {"outer_steps", "inner_steps", "outer_lr", "outer_momentum", "compression",
+                "comm_bytes", "comm_seconds", "nodes_now"}  # fmt: skip
 
 
 def _diloco_line(d: dict | None) -> str:
-    if d is None:
+    """The DiLoCo line of the printed summary (only for `Diloco.summary()`'s figures)."""
+    if not d or not d.keys() >= _DILOCO_KEYS:
         return ""
     return (
         f"  DiLoCo: {d['outer_steps']} outer steps (H={d['inner_steps']}, outer lr "

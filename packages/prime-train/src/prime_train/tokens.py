@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+BYTE_VOCAB_SIZE = 256 + 1  # every byte value, plus the end-of-document token
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
 
@@ -30,7 +31,7 @@ class ByteTokenizer:
     """Each UTF-8 byte is a token; 256 marks the end of a document."""
 
     name = "byte"
-    vocab_size = 257
+    vocab_size = BYTE_VOCAB_SIZE
     eos_id = 256
 
     def encode_file(self, path: Path) -> np.ndarray:

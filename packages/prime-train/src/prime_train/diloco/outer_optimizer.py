@@ -1,0 +1,91 @@
+"""The outer optimizer of DiLoCo: outer weights and Nesterov momentum in flat CPU buffers.
+
+Each rank keeps, on CPU in float32, only its own shard of the outer weights, in one flat
+buffer with a view per parameter. At a sync point the pseudo-gradient (outer - current) is
+computed into a second flat buffer, which the caller averages across nodes in place; `apply`
+then takes the Nesterov step and copies the new outer weights into the model. The class knows
+nothing of nodes or networks: `prime_train.diloco.outer_step` does the averaging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+def local_tensor(p: Tensor) -> Tensor:
+    """This rank's shard of a parameter (the DTensor's local tensor, or the tensor itself)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
+
+
+class OuterOptimizer:
+    """Outer weights, pseudo-gradient and Nesterov momentum for this rank's parameter shards.
+
+    `params` must be the same (sharded) parameters in the same order on every node.
+    """
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 0.7, momentum: float = 0.9):
+        self.params = list(params)
+        self.lr, self.momentum = lr, momentum
+        numels = [local_tensor(p).numel() for p in self.params]
+        total = sum(numels)
+        self.weights = torch.zeros(total, dtype=torch.float32)
+        self.pseudo_gradient = torch.zeros(total, dtype=torch.float32)
+        self.momentum_buffer = torch.zeros(total, dtype=torch.float32)
+        self._weight_views: list[Tensor] = []
+        self._gradient_views: list[Tensor] = []
+        offset = 0
+        for p, n in zip(self.params, numels, strict=True):
+            shape = local_tensor(p).shape
+            self._weight_views.append(self.weights[offset : offset + n].view(shape))
+            self._gradient_views.append(self.pseudo_gradient[offset : offset + n].view(shape))
+            offset += n
+        self.take_model_weights()
+
+    @torch.no_grad()
+    def take_model_weights(self) -> None:
+        """Take the model's current weights as the outer weights (at the start of a run)."""
+        for view, p in zip(self._weight_views, self.params, strict=True):
+            view.copy_(local_tensor(p).detach())
+
+    @torch.no_grad()
+    def compute_pseudo_gradient(self) -> Tensor:
+        """pseudo_gradient = outer weights - current model weights (returned, to be averaged)."""
+        for view, p in zip(self._gradient_views, self.params, strict=True):
+            view.copy_(local_tensor(p).detach())
+        torch.sub(self.weights, self.pseudo_gradient, out=self.pseudo_gradient)
+        return self.pseudo_gradient
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Nesterov SGD with the (averaged) pseudo-gradient, then copy the weights into the model."""
+        g = self.pseudo_gradient
+        self.momentum_buffer.mul_(self.momentum).add_(g)
+        update = g.add(self.momentum_buffer, alpha=self.momentum)
+        self.weights.sub_(update, alpha=self.lr)
+        for view, p in zip(self._weight_views, self.params, strict=True):
+            local_tensor(p).copy_(view)
+
+    def digest(self) -> str:
+        """SHA-256 of this rank's outer weights: equal on every node after an outer step."""
+        return hashlib.sha256(self.weights.numpy().tobytes()).hexdigest()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The live buffers (a checkpoint loads into them in place)."""
+        return {"outer": self.weights, "momentum": self.momentum_buffer}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        for key, buf in (("outer", self.weights), ("momentum", self.momentum_buffer)):
+            t = state[key]
+            if t.shape != buf.shape:
+                raise ValueError(
+                    f"outer optimizer state '{key}' has {t.numel()} elements, this model shard "
+                    f"has {buf.numel()}: was the checkpoint made with another model or layout?"
+                )
+            if t is not buf:
+                buf.copy_(t)

@@ -1,0 +1,232 @@
+"""One DiLoCo outer step, start to finish: the one place where the trainer meets the mesh.
+
+Every H inner steps the trainer calls `start(step)` then `finish()`:
+
+1. `start` computes this rank's pseudo-gradient (outer weights - current weights).
+2. `finish` re-forms the inter-node group at the sync point (`maybe_reinit_global_pg`: dead
+   nodes leave, joiners enter), averages the pseudo-gradients in one compressed all-reduce
+   (`prime_comm.all_reduce`, with the mesh's deadline and abort flag), and asks every member
+   whether its all-reduce succeeded (`should_commit`). Only if all say yes is the outer
+   Nesterov step applied; otherwise outer weights and momentum are untouched, the group
+   re-forms without the suspect, and the attempt is repeated over the nodes actually present.
+3. The report (time, bytes, nodes, epoch, weight hash) goes to the log and the metrics.
+
+Today `finish` follows `start` at once; the split is where an overlapped outer step will run
+the all-reduce in the background while the next inner steps compute. Where to resume is agreed
+here too (`agree_resume_step`), and so will be a joiner's live recovery.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+import prime_comm
+from prime_train.config import DilocoConfig
+from prime_train.diloco.outer_optimizer import OuterOptimizer
+from prime_train.metrics import Log, Metrics
+
+if TYPE_CHECKING:
+    from prime_mesh import ElasticDeviceMesh
+
+_MAX_SHARED_STEPS = 32  # resume agreement compares this many newest checkpoint steps
+
+
+class OuterStepFailed(RuntimeError):
+    """The outer step could not be agreed on within the allowed retries."""
+
+
+@dataclass
+class OuterStepReport:
+    """What one applied outer step cost and who took part."""
+
+    step: int  # the inner step it followed
+    outer_step: int  # applied outer steps so far in the run, this one included
+    attempts: int
+    seconds: float
+    allreduce_seconds: float
+    bytes_sent: int
+    nodes: int
+    epoch: int
+    outer_sha256: str
+
+
+class Diloco:
+    """DiLoCo across the nodes of an elastic mesh: the trainer's outer step (see module doc).
+
+    Implements the trainer's `OuterStep` seam whole: the step (`start`/`finish`), its state
+    for checkpoints, loading it, and agreeing where to resume.
+    """
+
+    def __init__(
+        self,
+        cfg: DilocoConfig,
+        mesh: ElasticDeviceMesh,
+        params: list[torch.Tensor],
+        metrics: Metrics | None = None,
+        log: Log | None = None,
+        max_retries: int = 3,
+    ):
+        self.cfg, self.mesh, self.metrics, self.log = cfg, mesh, metrics, log
+        self.optimizer = OuterOptimizer(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        self.max_retries = max_retries
+        self.totals = {"outer_steps": 0, "comm_bytes": 0, "comm_seconds": 0.0}
+        self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
+        self._last_epoch = mesh.epoch
+
+    # -- the outer step ---------------------------------------------------------------------
+
+    def start(self, step: int) -> None:
+        """Begin the outer step that follows inner step `step`: compute the pseudo-gradient."""
+        if self._started is not None:
+            raise RuntimeError("the previous outer step was started but not finished")
+        self._started = (step, time.monotonic())
+        self.optimizer.compute_pseudo_gradient()
+
+    def finish(self) -> OuterStepReport:
+        """Average over the live nodes, agree, apply (retrying on failure); report it."""
+        if self._started is None:
+            raise RuntimeError("finish() without start()")
+        step, t0 = self._started
+        errors: list[str] = []
+        try:
+            for attempt in range(1, self.max_retries + 2):
+                if attempt > 1:  # the failed all-reduce may have overwritten the buffer
+                    self.optimizer.compute_pseudo_gradient()
+                self.mesh.maybe_reinit_global_pg()
+                stats, error = self._average()
+                if self.mesh.should_commit(error is None):
+                    self.optimizer.apply()
+                    return self._record(step, attempt, time.monotonic() - t0, stats)
+                errors.append(error or "a peer failed")
+                self._warn(
+                    f"outer step attempt {attempt} not committed ({errors[-1]}); "
+                    "re-forming the group and retrying"
+                )
+        finally:
+            self._started = None
+        raise OuterStepFailed(
+            f"outer step failed {len(errors)} times ({'; '.join(errors)}); "
+            "outer weights are unchanged"
+        )
+
+    def _average(self) -> tuple[prime_comm.AllReduceStats | None, str | None]:
+        """All-reduce (average) the pseudo-gradient in place; returns (stats, error)."""
+        mesh, t = self.mesh, time.monotonic()
+        try:
+            stats = prime_comm.all_reduce(
+                self.optimizer.pseudo_gradient,
+                group=mesh.global_pg,
+                op="avg",
+                compression=self.cfg.compression,
+                timeout=mesh.collective_timeout(),
+                should_abort=mesh.should_abort,
+            )
+        except Exception as e:  # the vote tells every member; all re-form and retry
+            mesh.record_collective(time.monotonic() - t, ok=False)
+            return None, f"{type(e).__name__}: {e}"
+        mesh.record_collective(time.monotonic() - t)
+        if not bool(torch.isfinite(self.optimizer.pseudo_gradient).all()):
+            return stats, "averaged pseudo-gradient is not finite"
+        return stats, None
+
+    def _record(
+        self, step: int, attempts: int, seconds: float, stats: prime_comm.AllReduceStats | None
+    ) -> OuterStepReport:
+        t = self.totals
+        t["outer_steps"] += 1
+        t["comm_bytes"] += stats.bytes_sent if stats else 0
+        t["comm_seconds"] += stats.seconds if stats else 0.0
+        report = OuterStepReport(
+            step=step,
+            outer_step=t["outer_steps"],
+            attempts=attempts,
+            seconds=seconds,
+            allreduce_seconds=stats.seconds if stats else 0.0,
+            bytes_sent=stats.bytes_sent if stats else 0,
+            nodes=self.mesh.global_world_size,
+            epoch=self.mesh.epoch,
+            outer_sha256=self.optimizer.digest(),
+        )
+        if report.epoch != self._last_epoch:
+            self._info(
+                f"mesh epoch {report.epoch}: {report.nodes} node(s) "
+                f"{[m.get('node_id') for m in self.mesh.members()]}"
+            )
+            self._last_epoch = report.epoch
+        self._info(
+            f"outer step {report.outer_step} at step {step} | {seconds:.2f} s "
+            f"(all-reduce {report.allreduce_seconds:.2f} s, {report.bytes_sent / 1e6:.2f} MB "
+            f"sent, {self.cfg.compression}) | {report.nodes} node(s), epoch {report.epoch}"
+            + (f" | {attempts} attempts" if attempts > 1 else "")
+        )
+        if self.metrics is not None:
+            self.metrics.write(
+                {
+                    "step": step,
+                    "outer_step": report.outer_step,
+                    "outer_seconds": report.seconds,
+                    "allreduce_seconds": report.allreduce_seconds,
+                    "bytes_sent": report.bytes_sent,
+                    "nodes": report.nodes,
+                    "epoch": report.epoch,
+                    "attempts": report.attempts,
+                    "outer_sha256": report.outer_sha256,
+                }
+            )
+        return report
+
+    # -- checkpoints and resuming -----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint adds for DiLoCo: outer weights, momentum and comm totals."""
+        return {"outer": self.optimizer.state_dict(), "totals": dict(self.totals)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a loaded `state_dict()` (its tensors may already be the live buffers)."""
+        self.optimizer.load_state_dict(state["outer"])
+        self.totals.update(state["totals"])
+
+    def agree_resume_step(self, local_steps: list[int]) -> int | None:
+        """The newest checkpoint step every node of the run holds (None: start fresh),
+        agreed in one all-gather over the inter-node group."""
+        mine = sorted(local_steps)[-_MAX_SHARED_STEPS:]
+        t = torch.full((_MAX_SHARED_STEPS,), -1, dtype=torch.int64)
+        t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        world = self.mesh.global_world_size
+        if world > 1:
+            gathered = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(gathered, t, group=self.mesh.global_pg)
+        else:
+            gathered = [t]
+        common = set.intersection(*({int(s) for s in g.tolist() if s >= 0} for g in gathered))
+        if local_steps and not common:
+            self._warn(
+                "the nodes share no checkpoint step; starting from scratch "
+                f"(this node holds {sorted(local_steps)})"
+            )
+        return max(common) if common else None
+
+    def summary(self) -> dict[str, Any]:
+        """Totals and settings for the run's summary."""
+        d = self.cfg
+        return {
+            **self.totals,
+            "inner_steps": d.inner_steps,
+            "outer_lr": d.outer_lr,
+            "outer_momentum": d.outer_momentum,
+            "compression": d.compression,
+            "nodes_now": self.mesh.global_world_size,
+        }
+
+    def _info(self, msg: str) -> None:
+        if self.log is not None:
+            self.log.info(msg)
+
+    def _warn(self, msg: str) -> None:
+        if self.log is not None:
+            self.log.warn(msg)

@@ -1,0 +1,136 @@
+"""Where this process sits: its device, its node's process group, and its node's identity.
+
+Built first, in this order: the intra-node process group (torchrun's, or a world of one),
+then, for a multi-node run, this local rank's membership in the run's elastic mesh, which
+gives the node its index among the nodes. Everything later (data part, file names, log
+prefix) reads the identity from here; it is computed once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from prime_train.checkpointing import checkpoint_dir
+from prime_train.config import Config
+from prime_train.config_load import ConfigError
+from prime_train.diloco.membership import Membership, uses_mesh
+from prime_train.metrics import Log
+
+NODE_ENV = "PRIME_LOCAL_NODE"  # set by the local launcher: this process is simulated node k
+
+
+def launcher_index() -> int | None:
+    """The node index the local launcher gave this process, if any."""
+    value = os.environ.get(NODE_ENV)
+    return int(value) if value is not None else None
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Which node this is: its index among `count` nodes (its data part and log prefix), and,
+    for nodes simulated on one machine by the launcher, the index that names its files."""
+
+    index: int = 0
+    count: int = 1
+    launcher_index: int | None = None
+
+    @property
+    def suffix(self) -> str:
+        """File-name suffix: '' for a node on its own machine or the launcher's node 0."""
+        return f"-node{self.launcher_index}" if self.launcher_index else ""
+
+
+@dataclass
+class Placement:
+    """The device, the intra-node device mesh (FSDP2), the node, its checkpoint folder and
+    its mesh membership."""
+
+    device: torch.device
+    device_mesh: DeviceMesh
+    node: NodeIdentity
+    ckpt_dir: Path
+    membership: Membership | None = None
+    owns_process_group: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.device_mesh.get_local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.device_mesh.size()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.device_mesh.get_group()
+
+    @property
+    def prefix(self) -> str:
+        return f"[node {self.node.index} rank {self.rank}]"
+
+    def close(self) -> None:
+        """Leave the mesh, then release the process group if this placement created it."""
+        if self.membership is not None:
+            self.membership.close()
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'"
+        )
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def init_process_group(device: torch.device) -> bool:
+    """Join torchrun's group (RANK/WORLD_SIZE set) or make a world of one; True if created."""
+    if dist.is_initialized():
+        return False
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def init_placement(cfg: Config) -> Placement:
+    """The intra-node group and device mesh, then (multi-node) the mesh membership."""
+    device = pick_device(cfg.train.device)
+    owns = init_process_group(device)
+    try:
+        device_mesh = init_device_mesh(
+            device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",)
+        )
+        local = launcher_index()
+        node = NodeIdentity(index=local or 0, launcher_index=local)
+        ckpt_dir = checkpoint_dir(cfg, node.launcher_index)
+        membership = None
+        if uses_mesh(cfg):
+            early = Log(f"[node {local if local is not None else '?'}]", primary=True)
+            membership = Membership.join(
+                cfg, ckpt_dir, serve=device_mesh.get_local_rank() == 0, warn=early.warn
+            )
+            mesh = membership.mesh
+            node = NodeIdentity(
+                index=local if local is not None else mesh.global_rank,
+                count=max(cfg.launch.local_nodes, mesh.global_world_size),
+                launcher_index=local,
+            )
+    except BaseException:
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return Placement(device, device_mesh, node, ckpt_dir, membership, owns_process_group=owns)

@@ -1,0 +1,207 @@
+"""What one node's run works on: model, optimizer, data, metrics and checkpoints.
+
+`Run` is built from the config and the placement; the loop (`trainer.train_loop`) drives it.
+The outer step, when there is one, is handed to `checkpoint` and `resume` so that its state
+is saved beside the model's and it decides where the nodes resume.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from prime_train import checkpointing
+from prime_train.config import Config
+from prime_train.config_load import ConfigError
+from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
+from prime_train.metrics import Log, Metrics
+from prime_train.model import Transformer, model_args, num_params
+from prime_train.optim import lr_at, make_optimizer, set_lr
+from prime_train.parallel import build_model, reshard
+from prime_train.placement import Placement
+from prime_train.rundir import claim_run_dir
+from prime_train.seam import OuterStep
+from prime_train.tokens import DataError, build_token_cache, make_tokenizer
+
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+
+
+class Run:
+    """The model, optimizer, data, metrics and checkpoints of one node's run."""
+
+    def __init__(self, cfg: Config, placement: Placement, log: Log):
+        self.cfg, self.placement, self.log = cfg, placement, log
+        node = placement.node
+        self.primary = placement.rank == 0
+        self.run_dir = claim_run_dir(cfg, write=self.primary and node.index == 0)
+        self.device = placement.device
+        # each (node, local rank) pair reads its own part of the data
+        parts = node.count * placement.world_size
+        part = node.index * placement.world_size + placement.rank
+
+        vocab, train_seqs, held_seqs = self._data()
+        try:
+            args = model_args(
+                cfg.model.preset,
+                dim=cfg.model.dim,
+                n_layers=cfg.model.n_layers,
+                n_heads=cfg.model.n_heads,
+                n_kv_heads=cfg.model.n_kv_heads,
+                vocab_size=vocab,
+                max_seq_len=cfg.data.seq_len,
+            )
+        except ValueError as e:
+            raise ConfigError(f"[model] settings give an invalid shape: {e}") from None
+        with torch.device("meta"):
+            self.model = Transformer(args)
+        self.bf16 = build_model(
+            self.model, placement.device_mesh, placement.device, cfg.train, seed=cfg.run.seed
+        )
+        self.opt = make_optimizer(self.model, cfg.optim)
+        self.params = list(self.model.parameters())
+
+        B = cfg.train.batch_size
+        # synthetic sequences are already random: no permutation of their 2**30 indices
+        self.loader = ShardedLoader(
+            train_seqs, B, part, parts, seed=cfg.run.seed, shuffle=cfg.data.source != "synthetic"
+        )
+        self.eval_set = eval_batches(
+            held_seqs, B, cfg.eval.batches, placement.rank, placement.world_size
+        )
+        self.tokens_per_step = B * cfg.data.seq_len * placement.world_size
+        self.progress: dict[str, Any] = {"step": 0, "tokens": 0}
+
+        self.metrics = Metrics(
+            self.run_dir / f"metrics{node.suffix}.jsonl" if self.primary else None
+        )
+        self.ckpt_dir = placement.ckpt_dir
+        self.ckpt = checkpointing.Checkpointer(
+            self.ckpt_dir,
+            cfg.ckpt.every,
+            cfg.ckpt.keep,
+            cfg.ckpt.shm_dir,
+            cfg.ckpt.remote,
+            placement.group if placement.world_size > 1 else None,
+        )
+        self.log.info(
+            f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
+            f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, FSDP2 over "
+            f"{placement.world_size} rank(s); {len(train_seqs)} train / {len(held_seqs)} held-out "
+            f"sequences of {cfg.data.seq_len} tokens"
+        )
+
+    def _data(self):
+        cfg, p = self.cfg, self.placement
+        if cfg.data.source == "synthetic":
+            vocab = cfg.model.vocab_size or model_args(cfg.model.preset).vocab_size
+            return (
+                vocab,
+                SyntheticSequences(vocab, cfg.data.seq_len, cfg.run.seed),
+                SyntheticSequences(vocab, cfg.data.seq_len, cfg.run.seed + 10**6),
+            )
+        tok = make_tokenizer(cfg.data.tokenizer)
+        cache = cfg.data.cache_dir or cfg.run.runs_dir / ".token-cache"
+        # rank 0 tokenizes, the others then find the cache ready (or meet the same error)
+        files, error = None, None
+        if self.primary:
+            try:
+                files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
+            except DataError as e:
+                error = e
+        if p.world_size > 1:
+            dist.barrier(group=p.group)
+        if error is not None:
+            raise error
+        if files is None:
+            files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
+        preset_vocab = model_args(cfg.model.preset).vocab_size
+        vocab = cfg.model.vocab_size or (
+            tok.vocab_size if cfg.model.preset == "debug" else preset_vocab
+        )
+        if tok.vocab_size > vocab:
+            raise ConfigError(
+                f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}; "
+                f"set model.vocab_size >= {tok.vocab_size}"
+            )
+        seq = cfg.data.seq_len
+        return vocab, TokenSequences(files.train, seq), TokenSequences(files.heldout, seq)
+
+    def inner_step(self, step: int) -> torch.Tensor:
+        """One optimizer step on the next batch; returns the loss (not synchronised)."""
+        inputs, targets = self.loader.next_batch()
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        set_lr(self.opt, lr_at(step, self.cfg.optim, self.cfg.train.steps))
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.progress["tokens"] += self.tokens_per_step
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over this node's fixed evaluation batches."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for inputs, targets in self.eval_set:
+            logits = self.model(inputs.to(self.device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+            total += torch.stack(
+                [loss.double(), torch.ones((), dtype=torch.float64, device=self.device)]
+            )
+        self.all_reduce_sum(total)
+        reshard(self.model)
+        return float(total[0] / total[1])
+
+    def evaluate_and_record(self, step: int) -> float:
+        loss = self.evaluate()
+        self.metrics.write({"step": step, "eval_loss": loss})
+        self.log.info(f"step {step}/{self.cfg.train.steps} | held-out loss {loss:.4f}")
+        return loss
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        """Sum over the node's ranks (a no-op for a node of one rank)."""
+        if self.placement.world_size > 1:
+            dist.all_reduce(t, group=self.placement.group)
+
+    def state(self, outer: OuterStep | None) -> dict[str, Any]:
+        """Everything a checkpoint holds, as live tensors to fill in place and plain values."""
+        state = checkpointing.train_state(
+            self.model, self.opt, self.loader.state_dict(), self.progress
+        )
+        if outer is not None:
+            state["diloco"] = outer.state_dict()
+        return state
+
+    def checkpoint(self, step: int, outer: OuterStep | None) -> None:
+        self.progress["step"] = step
+        self.ckpt.save(step, self.state(outer))
+
+    def resume(self, outer: OuterStep | None) -> int:
+        """Load the newest checkpoint in place; returns its step (0 for a fresh run). With an
+        outer step, the step is the one it agrees on (the newest that every node holds)."""
+        state = self.state(outer)
+        if outer is None:
+            step = self.ckpt.load_latest(state)
+        else:
+            step = outer.agree_resume_step(self.ckpt.committed_steps())
+            if step is not None:
+                self.ckpt.load(step, state)
+                outer.load_state_dict(state["diloco"])
+        if step is None:
+            return 0
+        self.loader.load_state_dict(state["data"])
+        self.progress.update(state["progress"])
+        checkpointing.restore_rng(state)
+        return step
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.ckpt.close()
