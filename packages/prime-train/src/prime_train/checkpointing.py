@@ -62,12 +62,17 @@ class Checkpointer:
         shm_dir: Path | None = None,
         remote: str | None = None,
         group: dist.ProcessGroup | None = None,
+        remote_options: dict[str, Any] | None = None,
     ):
         self.disk_dir, self.every = disk_dir, every
-        kwargs: dict[str, Any] = {"shm_dir": shm_dir, "keep": keep, "group": group}
-        if remote is not None:
-            kwargs["remote"] = remote
-        self.manager = CheckpointManager(disk_dir, **kwargs)
+        self.manager = CheckpointManager(
+            disk_dir,
+            shm_dir=shm_dir,
+            remote=remote,
+            remote_options=remote_options or None,
+            keep=keep,
+            group=group,
+        )
         self.last_saved: int | None = None
 
     def due(self, step: int) -> bool:
@@ -107,3 +112,11 @@ def checkpoint_dir(cfg, launcher_index: int | None) -> Path:
     if cfg.ckpt.dir is not None:
         return cfg.ckpt.dir / f"node{launcher_index}" if launcher_index else cfg.ckpt.dir
     return cfg.run_dir / ("ckpt" if not launcher_index else f"ckpt-node{launcher_index}")
+
+
+def remote_prefix(cfg, node_name: str) -> str | None:
+    """This node's remote checkpoint URL: `ckpt.remote` + '/' + the node's name, so nodes
+    sharing one bucket never touch each other's uploads."""
+    if cfg.ckpt.remote is None:
+        return None
+    return f"{cfg.ckpt.remote.rstrip('/')}/{node_name}"

@@ -13,6 +13,7 @@ from its newest checkpoint; Ctrl-C or SIGTERM finishes the step, checkpoints and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -70,10 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(f"config error: {e}")
 
-    if cfg.launch.local_nodes > 1 and launcher_index() is None and not cfg.mesh.coordinator:
+    launched = launcher_index() is not None or "LOCAL_RANK" in os.environ  # launcher, torchrun
+    several = cfg.launch.local_nodes > 1 or cfg.launch.ranks_per_node > 1
+    if several and not launched and not cfg.mesh.coordinator:
         from prime_train.launch import launch_local_nodes, local_coordinator
 
-        return launch_local_nodes(argv, cfg.launch.local_nodes, local_coordinator)
+        return launch_local_nodes(
+            argv,
+            cfg.launch.local_nodes,
+            local_coordinator,
+            ranks_per_node=cfg.launch.ranks_per_node,
+        )
 
     from prime_mesh import MeshError
     from prime_train.diloco import OuterStepFailed

@@ -112,22 +112,42 @@ class CkptConfig(Section):
     dir: Path | None = Field(None, description="checkpoint folder (default RUNS_DIR/NAME/ckpt)")
     shm_dir: Path | None = Field(None, description="RAM tier folder, e.g. /dev/shm/prime")
     remote: str | None = Field(None, description="fsspec URL for a remote copy (s3://...)")
+    remote_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec storage options for `remote` (e.g. endpoint_url); never saved to "
+        "the run folder. Credentials are best left to the environment (AWS_ACCESS_KEY_ID, ...)",
+    )
 
 
 class LaunchConfig(Section):
     local_nodes: int = Field(
         1, ge=1, le=64, description="nodes simulated as local processes on this machine"
     )
+    ranks_per_node: int = Field(
+        1, ge=1, le=64, description="ranks (processes, FSDP2 shards) of each simulated node"
+    )
 
 
 class MeshConfig(Section):
     coordinator: str | None = Field(None, description="HOST:PORT of the mesh coordinator")
     host: str | None = Field(None, description="address peers use to reach this node")
+    node_name: str | None = Field(
+        None,
+        description="this node's name, the same across restarts (default: the host name, "
+        "plus '-K' for the local launcher's node K); names its remote checkpoint prefix",
+    )
     heartbeat_interval_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
     heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="silence before eviction")
     token: SecretStr | None = Field(
         None, description="shared secret; only from PRIME_TOKEN, never on the command line"
     )
+
+    @field_validator("node_name")
+    @classmethod
+    def _node_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
+            raise ValueError("use letters, digits, '.', '_' or '-' (it names a folder)")
+        return v
 
     @field_validator("coordinator")
     @classmethod
@@ -178,6 +198,7 @@ class Config(Section):
         """The config as written into the run folder: JSON types, secrets left out."""
         d = self.model_dump(mode="json")
         d["mesh"].pop("token", None)
+        d["ckpt"].pop("remote_options", None)  # may hold credentials
         return d
 
     def fingerprint(self) -> dict[str, Any]:

@@ -58,6 +58,14 @@ class SyntheticSequences:
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=self._gen)
 
 
+def data_part(node: int, nodes: int, rank: int, ranks: int) -> tuple[int, int]:
+    """(part, parts): local rank `rank` of node `node` reads part `node * ranks + rank` of
+    `nodes * ranks`, so no two ranks of a run read the same sequence (until it wraps around)."""
+    if not (0 <= node < nodes and 0 <= rank < ranks):
+        raise ValueError(f"node {node} of {nodes}, rank {rank} of {ranks}: out of range")
+    return node * ranks + rank, nodes * ranks
+
+
 class ShardedLoader:
     """Batches of `batch_size` sequences for one shard, in a per-epoch seeded order."""
 

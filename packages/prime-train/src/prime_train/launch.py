@@ -1,9 +1,12 @@
-"""Run several simulated nodes on one machine: a coordinator plus N node processes.
+"""Run several simulated nodes on one machine: a coordinator plus N nodes of R ranks each.
 
-Each node is its own process (its own torch.distributed world, as if on its own machine), gets
-cores/N torch threads, and its output is prefixed with `[node k]`. Ctrl-C (or SIGTERM) is
-forwarded once to every node so each finishes its step, checkpoints and exits; a second
-Ctrl-C, or nodes still running after `grace` seconds, are killed.
+Each node is its own torch.distributed world of R rank processes (as if on its own machine,
+FSDP2 across its ranks), the cores are split over the N x R processes, and each process's
+output is prefixed with `[node k]` (`[node k rank r]`). A node is its ranks together: when one
+rank exits with an error, the node's other ranks are ended too (they would otherwise wait in
+an intra-node collective). Ctrl-C (or SIGTERM) is forwarded once to every process so each
+node finishes its step, checkpoints and exits; a second Ctrl-C, or processes still running
+after `grace` seconds, are killed.
 """
 
 from __future__ import annotations
@@ -12,23 +15,44 @@ import ctypes
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from prime_train.diloco_node import NODE_ENV  # a node started with it never launches more
+from prime_train.placement import NODE_ENV  # a node started with it never launches more
 
 
-def _die_with_parent() -> None:
-    os.setpgid(0, 0)  # our own group: a terminal's Ctrl-C reaches only the launcher
+def die_with_parent() -> None:
+    """Child-side set-up: a process group of its own (a terminal's Ctrl-C reaches only the
+    launcher) and SIGKILL when the parent dies (PR_SET_PDEATHSIG), so no rank outlives it."""
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
+    except OSError:  # not Linux: the process-group kill on exit still applies
         pass
+
+
+@dataclass
+class RankProcess:
+    node: int
+    rank: int
+    proc: subprocess.Popen
+
+    @property
+    def name(self) -> str:
+        return f"node {self.node} rank {self.rank}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _pump(stream, prefix: str, out, errors: list[str]) -> None:
@@ -50,20 +74,29 @@ def launch_local_nodes(
     coordinator: Callable[[int], AbstractContextManager[Any]],
     grace: float = 120.0,
     extra_env: dict[str, str] | None = None,
+    ranks_per_node: int = 1,
 ) -> int:
-    """Start `coordinator(nodes)` (a context manager yielding a Coordinator), then `nodes` processes
-    running `python -m prime_train.cli *node_argv`; return 0 only if every node exited 0."""
-    if nodes < 1:
-        raise ValueError(f"launch.local_nodes must be at least 1, got {nodes}")
-    threads_per_node = max(1, (os.cpu_count() or 1) // nodes)
+    """Start `coordinator(nodes)` (a context manager yielding a Coordinator), then `nodes`
+    nodes of `ranks_per_node` processes running `python -m prime_train.cli *node_argv`;
+    return 0 only if every process exited 0."""
+    if nodes < 1 or ranks_per_node < 1:
+        raise ValueError(f"need at least 1 node of 1 rank, got {nodes} x {ranks_per_node}")
+    threads = max(1, (os.cpu_count() or 1) // (nodes * ranks_per_node))
     token = os.environ.get("PRIME_TOKEN") or secrets.token_hex(32)
     stop_requests = 0
-    procs: list[subprocess.Popen] = []
+    ranks: list[RankProcess] = []
+
+    def signal_all(sig: int, which: Sequence[RankProcess]) -> None:
+        for r in which:
+            if r.proc.poll() is None:
+                try:
+                    os.killpg(r.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def on_signal(signum, frame):  # frame is None when a node's error, not Ctrl-C, stops the run
         nonlocal stop_requests
         stop_requests += 1
-        sig = signal.SIGINT if stop_requests == 1 else signal.SIGKILL
         if stop_requests == 1 and frame is not None:
             print(
                 "[launch] stopping: each node finishes its step and checkpoints "
@@ -71,12 +104,7 @@ def launch_local_nodes(
                 file=sys.stderr,
                 flush=True,
             )
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+        signal_all(signal.SIGINT if stop_requests == 1 else signal.SIGKILL, ranks)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     pumps: list[threading.Thread] = []
@@ -85,81 +113,118 @@ def launch_local_nodes(
         os.environ["PRIME_TOKEN"] = token  # the in-process coordinator reads it too
         with coordinator(nodes) as coord:
             address = coord.address
+            shape = f"{nodes} nodes" + (f" of {ranks_per_node} ranks" if ranks_per_node > 1 else "")
             print(
-                f"[launch] coordinator at {address}; starting {nodes} nodes, "
-                f"{threads_per_node} torch thread(s) each",
+                f"[launch] coordinator at {address}; starting {shape}, "
+                f"{threads} torch thread(s) per process",
                 flush=True,
             )
             for k in range(nodes):
-                env = dict(os.environ)
-                env.update(extra_env or {})
-                env.update(
-                    {
-                        NODE_ENV: str(k),
-                        "PRIME_TOKEN": token,
-                        "PRIME_MESH__COORDINATOR": address,
-                        "PRIME_MESH__HOST": "127.0.0.1",
-                        "OMP_NUM_THREADS": str(threads_per_node),
-                        "PYTHONUNBUFFERED": "1",
-                    }
-                )
-                p = subprocess.Popen(
-                    [sys.executable, "-m", "prime_train.cli", *node_argv],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
-                )
-                procs.append(p)
+                node_env = {
+                    **os.environ,
+                    **(extra_env or {}),
+                    NODE_ENV: str(k),
+                    "PRIME_TOKEN": token,
+                    "PRIME_MESH__COORDINATOR": address,
+                    "PRIME_MESH__HOST": "127.0.0.1",
+                    "OMP_NUM_THREADS": str(threads),
+                    "PYTHONUNBUFFERED": "1",
+                }
+                if ranks_per_node > 1:  # the node's own torch.distributed world, as torchrun sets
+                    node_env.update(
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(_free_port()),
+                        WORLD_SIZE=str(ranks_per_node),
+                        LOCAL_WORLD_SIZE=str(ranks_per_node),
+                    )
+                node_ranks = []
+                for r in range(ranks_per_node):
+                    env = dict(node_env)
+                    if ranks_per_node > 1:
+                        env.update(RANK=str(r), LOCAL_RANK=str(r))
+                    p = subprocess.Popen(
+                        [sys.executable, "-m", "prime_train.cli", *node_argv],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        preexec_fn=die_with_parent,
+                    )
+                    node_ranks.append(RankProcess(k, r, p))
+                    prefix = f"[node {k}] " if ranks_per_node == 1 else f"[node {k} rank {r}] "
+                    t = threading.Thread(
+                        target=_pump, args=(p.stdout, prefix, sys.stdout, errors), daemon=True
+                    )
+                    t.start()
+                    pumps.append(t)
+                ranks.extend(node_ranks)
                 # one registration at a time: node k gets rank k, so reruns sum in the same order
-                _wait_registered(coord, k + 1, p)
-                t = threading.Thread(
-                    target=_pump, args=(p.stdout, f"[node {k}] ", sys.stdout, errors), daemon=True
-                )
-                t.start()
-                pumps.append(t)
-            codes = _wait_all(procs, lambda: stop_requests > 0, grace, on_user_error=on_signal)
+                _wait_registered(coord, k + 1, [r.proc for r in node_ranks])
+            codes = _wait_all(
+                ranks,
+                lambda: stop_requests > 0,
+                grace,
+                on_user_error=on_signal,
+                end_node=lambda k: signal_all(signal.SIGKILL, [r for r in ranks if r.node == k]),
+            )
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+        for r in ranks:
+            if r.proc.poll() is None:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+                r.proc.wait(timeout=10)
         for t in pumps:
             t.join(timeout=5)
-    if 2 in codes:  # a mistake in the config or data: say it once, like a single node would
+    if 2 in codes.values():  # a mistake in the config or data: say it once, like one node would
         for line in dict.fromkeys(errors):
             print(line, file=sys.stderr, flush=True)
         return 2
-    for k, code in enumerate(codes):
+    for name, code in codes.items():
         if code != 0:
-            print(f"[launch] node {k} exited with code {code}", file=sys.stderr, flush=True)
-    return 0 if all(c == 0 for c in codes) else 1
+            print(f"[launch] {name} exited with code {code}", file=sys.stderr, flush=True)
+    return 0 if all(c == 0 for c in codes.values()) else 1
 
 
-def _wait_registered(coord: Any, count: int, proc: subprocess.Popen, timeout=300.0) -> None:
+def _wait_registered(
+    coord: Any, count: int, procs: list[subprocess.Popen], timeout: float = 300.0
+) -> None:
     deadline = time.monotonic() + timeout
     while len(coord.status()["nodes"]) < count:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            return  # the node died or is slow: its exit code or the mesh will say why
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            return  # a rank died or is slow: its exit code or the mesh will say why
         time.sleep(0.05)
 
 
 def _wait_all(
-    procs: list[subprocess.Popen],
+    ranks: list[RankProcess],
     stopping: Callable[[], bool],
     grace: float,
     on_user_error: Callable[[int, Any], None],
-):
-    """Wait for every node; once a stop was requested, give them `grace` seconds, then kill.
-    A node that exits 2 (a user mistake the others share) stops the rest instead of leaving
-    them waiting for a peer that will never come."""
+    end_node: Callable[[int], None],
+) -> dict[str, int]:
+    """Wait for every rank; once a stop was requested, give them `grace` seconds, then kill.
+    A rank that exits 2 (a user mistake the others share) stops the rest instead of leaving
+    them waiting for a peer that will never come; a rank that fails ends its node's other
+    ranks."""
     stop_seen_at = None
-    while any(p.poll() is None for p in procs):
-        if not stopping() and any(p.returncode == 2 for p in procs):
+    ended: set[int] = set()
+    while any(r.proc.poll() is None for r in ranks):
+        if not stopping() and any(r.proc.returncode == 2 for r in ranks):
             on_user_error(signal.SIGINT, None)
+        for r in ranks:
+            code = r.proc.returncode
+            if code not in (None, 0) and r.node not in ended:
+                ended.add(r.node)
+                siblings = [s for s in ranks if s.node == r.node and s.proc.poll() is None]
+                if siblings:
+                    print(
+                        f"[launch] {r.name} exited with code {code}; ending node {r.node}'s "
+                        "other ranks",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    end_node(r.node)
         if stopping() and stop_seen_at is None:
             stop_seen_at = time.monotonic()
         if stop_seen_at is not None and time.monotonic() - stop_seen_at > grace:
@@ -168,11 +233,12 @@ def _wait_all(
                 file=sys.stderr,
                 flush=True,
             )
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
+            for r in ranks:
+                if r.proc.poll() is None:
+                    os.killpg(r.proc.pid, signal.SIGKILL)
         time.sleep(0.1)
-    return [p.returncode for p in procs]
+    single = all(r.rank == 0 for r in ranks)
+    return {(f"node {r.node}" if single else r.name): r.proc.returncode for r in ranks}
 
 
 @contextmanager

@@ -9,7 +9,9 @@ prefix) reads the identity from here; it is computed once.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ class NodeIdentity:
     index: int = 0
     count: int = 1
     launcher_index: int | None = None
+    name: str = "node"  # stable across restarts: names the node's remote checkpoint prefix
 
     @property
     def suffix(self) -> str:
@@ -75,8 +78,17 @@ class Placement:
         return f"[node {self.node.index} rank {self.rank}]"
 
     def close(self) -> None:
-        """Leave the mesh, then release the process group if this placement created it."""
+        """Leave the mesh, then release the process group if this placement created it.
+
+        The node's ranks leave together (one rank leaving takes the whole node out of the
+        mesh), so each waits, boundedly, for its siblings to be done first."""
         if self.membership is not None:
+            if self.world_size > 1:
+                try:
+                    work = dist.barrier(group=self.group, async_op=True)
+                    work.wait(timeout=timedelta(seconds=60))
+                except RuntimeError:  # a sibling died: the mesh has dropped the node anyway
+                    pass
             self.membership.close()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -115,7 +127,10 @@ def init_placement(cfg: Config) -> Placement:
             device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",)
         )
         local = launcher_index()
-        node = NodeIdentity(index=local or 0, launcher_index=local)
+        name = cfg.mesh.node_name or socket.gethostname() + (
+            f"-{local}" if local is not None else ""
+        )
+        node = NodeIdentity(index=local or 0, launcher_index=local, name=name)
         ckpt_dir = checkpoint_dir(cfg, node.launcher_index)
         membership = None
         if uses_mesh(cfg):
@@ -128,6 +143,7 @@ def init_placement(cfg: Config) -> Placement:
                 index=local if local is not None else mesh.global_rank,
                 count=max(cfg.launch.local_nodes, mesh.global_world_size),
                 launcher_index=local,
+                name=name,
             )
     except BaseException:
         if owns and dist.is_initialized():

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from prime_train import checkpointing
 from prime_train.config import Config
 from prime_train.config_load import ConfigError
-from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
+from prime_train.data import (
+    ShardedLoader,
+    SyntheticSequences,
+    TokenSequences,
+    data_part,
+    eval_batches,
+)
 from prime_train.metrics import Log, Metrics
 from prime_train.model import Transformer, model_args, num_params
 from prime_train.optim import lr_at, make_optimizer, set_lr
@@ -39,9 +45,7 @@ class Run:
         self.primary = placement.rank == 0
         self.run_dir = claim_run_dir(cfg, write=self.primary and node.index == 0)
         self.device = placement.device
-        # each (node, local rank) pair reads its own part of the data
-        parts = node.count * placement.world_size
-        part = node.index * placement.world_size + placement.rank
+        part, parts = data_part(node.index, node.count, placement.rank, placement.world_size)
 
         vocab, train_seqs, held_seqs = self._data()
         try:
@@ -84,8 +88,9 @@ class Run:
             cfg.ckpt.every,
             cfg.ckpt.keep,
             cfg.ckpt.shm_dir,
-            cfg.ckpt.remote,
+            checkpointing.remote_prefix(cfg, node.name),
             placement.group if placement.world_size > 1 else None,
+            remote_options=cfg.ckpt.remote_options,
         )
         self.log.info(
             f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "

@@ -99,7 +99,12 @@ def train(
         run = Run(cfg, placement, log)
         if outer is None and placement.membership is not None:
             outer = Diloco(
-                cfg.diloco, placement.membership.mesh, run.params, metrics=run.metrics, log=log
+                cfg.diloco,
+                placement.membership.mesh,
+                run.params,
+                metrics=run.metrics,
+                log=log,
+                node_group=placement.group,
             )
         return train_loop(run, outer)
     finally:

@@ -18,6 +18,7 @@ here too (`agree_resume_step`), and so will be a joiner's live recovery.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,21 @@ if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
 
 _MAX_SHARED_STEPS = 32  # resume agreement compares this many newest checkpoint steps
+
+
+def _common_steps(steps: list[int], group: Any, world: int) -> set[int]:
+    """The steps (of the newest `_MAX_SHARED_STEPS` each) that every member of `group` holds."""
+    mine = sorted(steps)[-_MAX_SHARED_STEPS:]
+    t = torch.full((_MAX_SHARED_STEPS,), -1, dtype=torch.int64)
+    t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    if group is not None:
+        world = dist.get_world_size(group)
+    if world > 1:
+        gathered = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(gathered, t, group=group)
+    else:
+        gathered = [t]
+    return set.intersection(*({int(s) for s in g.tolist() if s >= 0} for g in gathered))
 
 
 class OuterStepFailed(RuntimeError):
@@ -70,13 +86,18 @@ class Diloco:
         metrics: Metrics | None = None,
         log: Log | None = None,
         max_retries: int = 3,
+        node_group: dist.ProcessGroup | None = None,
     ):
+        """`params` are this rank's (sharded) parameters; `node_group` is the node's own process
+        group when it has several ranks (each averages its shard in its own inter-node group)."""
         self.cfg, self.mesh, self.metrics, self.log = cfg, mesh, metrics, log
+        self.node_group = node_group if node_group and dist.get_world_size(node_group) > 1 else None
         self.optimizer = OuterOptimizer(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         self.max_retries = max_retries
         self.totals = {"outer_steps": 0, "comm_bytes": 0, "comm_seconds": 0.0}
         self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
         self._last_epoch = mesh.epoch
+        self._nodes_now = mesh.global_world_size  # as of the last outer step
 
     # -- the outer step ---------------------------------------------------------------------
 
@@ -137,9 +158,10 @@ class Diloco:
     def _record(
         self, step: int, attempts: int, seconds: float, stats: prime_comm.AllReduceStats | None
     ) -> OuterStepReport:
+        shards, node_bytes = self._node_figures(stats.bytes_sent if stats else 0)
         t = self.totals
         t["outer_steps"] += 1
-        t["comm_bytes"] += stats.bytes_sent if stats else 0
+        t["comm_bytes"] += node_bytes
         t["comm_seconds"] += stats.seconds if stats else 0.0
         report = OuterStepReport(
             step=step,
@@ -147,11 +169,17 @@ class Diloco:
             attempts=attempts,
             seconds=seconds,
             allreduce_seconds=stats.seconds if stats else 0.0,
-            bytes_sent=stats.bytes_sent if stats else 0,
+            bytes_sent=node_bytes,
             nodes=self.mesh.global_world_size,
             epoch=self.mesh.epoch,
-            outer_sha256=self.optimizer.digest(),
+            # several ranks: the hash of the shards' hashes, in local rank order
+            outer_sha256=(
+                shards[0]
+                if len(shards) == 1
+                else hashlib.sha256("".join(shards).encode()).hexdigest()
+            ),
         )
+        self._nodes_now = report.nodes
         if report.epoch != self._last_epoch:
             self._info(
                 f"mesh epoch {report.epoch}: {report.nodes} node(s) "
@@ -176,9 +204,20 @@ class Diloco:
                     "epoch": report.epoch,
                     "attempts": report.attempts,
                     "outer_sha256": report.outer_sha256,
+                    **({"shard_sha256": shards} if len(shards) > 1 else {}),
                 }
             )
         return report
+
+    def _node_figures(self, bytes_sent: int) -> tuple[list[str], int]:
+        """The SHA-256 of each local rank's shard of the outer weights (in local rank order)
+        and the bytes the node's ranks sent together."""
+        mine = (self.optimizer.digest(), bytes_sent)
+        if self.node_group is None:
+            return [mine[0]], bytes_sent
+        out: list[Any] = [None] * dist.get_world_size(self.node_group)
+        dist.all_gather_object(out, mine, group=self.node_group)
+        return [str(d) for d, _ in out], sum(int(b) for _, b in out)
 
     # -- checkpoints and resuming -----------------------------------------------------------
 
@@ -192,18 +231,10 @@ class Diloco:
         self.totals.update(state["totals"])
 
     def agree_resume_step(self, local_steps: list[int]) -> int | None:
-        """The newest checkpoint step every node of the run holds (None: start fresh),
-        agreed in one all-gather over the inter-node group."""
-        mine = sorted(local_steps)[-_MAX_SHARED_STEPS:]
-        t = torch.full((_MAX_SHARED_STEPS,), -1, dtype=torch.int64)
-        t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-        world = self.mesh.global_world_size
-        if world > 1:
-            gathered = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(gathered, t, group=self.mesh.global_pg)
-        else:
-            gathered = [t]
-        common = set.intersection(*({int(s) for s in g.tolist() if s >= 0} for g in gathered))
+        """The newest checkpoint step every rank of every node holds (None: start fresh):
+        agreed inside the node first, then across nodes, each in one all-gather."""
+        node_steps = _common_steps(local_steps, self.node_group, 1)
+        common = _common_steps(sorted(node_steps), self.mesh.global_pg, self.mesh.global_world_size)
         if local_steps and not common:
             self._warn(
                 "the nodes share no checkpoint step; starting from scratch "
@@ -220,7 +251,7 @@ class Diloco:
             "outer_lr": d.outer_lr,
             "outer_momentum": d.outer_momentum,
             "compression": d.compression,
-            "nodes_now": self.mesh.global_world_size,
+            "nodes_now": self._nodes_now,
         }
 
     def _info(self, msg: str) -> None:

@@ -1,0 +1,185 @@
+"""Nodes of several ranks: DiLoCo over FSDP2 across local ranks, through the local launcher.
+
+`[launch] local_nodes = 2, ranks_per_node = 2` starts two nodes of two rank processes each
+(each node its own torch.distributed world, FSDP2 across its ranks; local rank r of every node
+averages its shard in inter-node group r), as torchrun would on two machines.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prime_testkit import wait_until
+from prime_train.data import ShardedLoader, data_part
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "multirank-test-token"
+ARGS = [
+    "--launch.local_nodes", "2",
+    "--launch.ranks_per_node", "2",
+    "--data.path", "{stdlib}/[a-c]*.py",
+    "--data.seq_len", "64",
+    "--train.batch_size", "4",
+    "--train.steps", "60",
+    "--diloco.inner_steps", "20",
+    "--ckpt.every", "20",
+    "--eval.every", "20",
+    "--run.log_every", "10",
+]  # fmt: skip
+
+
+def cli_args(runs: Path, cache: Path) -> list[str]:
+    return [
+        "--config", str(ROOT / "configs" / "debug.toml"),
+        "--run.runs_dir", str(runs), "--data.cache_dir", str(cache), *ARGS,
+    ]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
+    return {**e, "PRIME_TOKEN": TOKEN}
+
+
+def rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def outer_rows(run_dir: Path, node: int) -> dict[int, dict]:
+    name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
+    return {r["outer_step"]: r for r in rows(run_dir / name) if "outer_step" in r}
+
+
+def launch(children, runs: Path, cache: Path, log: Path):
+    with open(log, "w") as out:
+        return children.popen(
+            [sys.executable, "-m", "prime_train.cli", *cli_args(runs, cache)],
+            env=env(), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def rank_pid(launcher_pid: int, node: int, rank: int) -> int | None:
+    """The pid of the launcher's child process running node `node`, rank `rank`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            environ = dict(
+                kv.split("=", 1)
+                for kv in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in kv
+            )
+        except (OSError, ValueError):
+            continue
+        if environ.get("PRIME_LOCAL_NODE") == str(node) and environ.get("RANK") == str(rank):
+            return int(entry.name)
+    return None
+
+
+def test_data_parts_of_a_run_never_overlap():
+    """Each (node, local rank) pair reads its own part: over a whole run (before the data
+    wraps around) no two ranks of 2 nodes x 2 ranks see the same sequence."""
+    n_seqs, batch, steps = 10_000, 4, 600
+
+    class Indices:  # a dataset whose sequences are their own index
+        seq_len = 1
+
+        def __len__(self):
+            return n_seqs
+
+        def __getitem__(self, i):
+            import torch
+
+            return torch.tensor([i, i])
+
+    seen: dict[int, tuple[int, int]] = {}
+    for node in range(2):
+        for rank in range(2):
+            part, parts = data_part(node, 2, rank, 2)
+            loader = ShardedLoader(Indices(), batch, part, parts, seed=3)
+            for _ in range(steps):
+                inputs, _ = loader.next_batch()
+                for i in inputs[:, 0].tolist():
+                    assert i not in seen, f"sequence {i}: rank {(node, rank)} and {seen[i]}"
+                    seen[i] = (node, rank)
+            assert loader.epoch == 0, "the run wrapped around: choose fewer steps"
+    assert len(seen) == 2 * 2 * steps * batch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_of_two_ranks_learn_match_and_resume_exactly(tmp_path, children):
+    cache = tmp_path / "cache"
+    full, split = tmp_path / "full", tmp_path / "split"
+    r = subprocess.run(
+        [sys.executable, "-m", "prime_train.cli", *cli_args(full, cache)],
+        env=env(), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "starting 2 nodes of 2 ranks" in r.stdout and "FSDP2 over 2 rank(s)" in r.stdout
+    run_dir = full / "debug"
+    a, b = outer_rows(run_dir, 0), outer_rows(run_dir, 1)
+    assert sorted(a) == [1, 2, 3] and sorted(b) == [1, 2, 3]
+    for k in a:  # every shard of the outer weights identical on both nodes
+        assert len(a[k]["shard_sha256"]) == 2
+        assert a[k]["shard_sha256"] == b[k]["shard_sha256"], f"outer step {k}"
+        assert a[k]["outer_sha256"] == b[k]["outer_sha256"] and a[k]["nodes"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["heldout_loss"] <= 0.7 * summary["initial_heldout_loss"], summary
+    assert summary["tokens"] == 60 * 4 * 64 * 2  # per node: 2 ranks
+
+    # SIGTERM to the launcher after the first outer step: every rank stops at an outer
+    # boundary and checkpoints; the rerun resumes and reproduces the uninterrupted run
+    log = tmp_path / "split.log"
+    p = launch(children, split, cache, log)
+    wait_until(lambda: 1 in outer_rows(split / "debug", 0) or p.poll() is not None, 200,
+               what="the first outer step")  # fmt: skip
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=200) == 0, log.read_text()[-3000:]
+    assert "stopped after step" in log.read_text()
+    r = subprocess.run(
+        [sys.executable, "-m", "prime_train.cli", *cli_args(split, cache)],
+        env=env(), capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resumed from the step-" in r.stdout
+
+    def trace(runs: Path, node: int) -> dict:
+        name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
+        keep = ("loss", "eval_loss", "outer_sha256", "shard_sha256")
+        return {(x["step"], k): x[k] for x in rows(runs / "debug" / name) for k in keep if k in x}
+
+    for node in range(2):
+        assert trace(full, node) == trace(split, node), f"node {node}: the resumed run differs"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_killed_rank_takes_its_node_out_and_the_other_node_finishes(tmp_path, children):
+    runs, log = tmp_path / "runs", tmp_path / "launch.log"
+    p = launch(children, runs, tmp_path / "cache", log)
+    run_dir = runs / "debug"
+    wait_until(lambda: 1 in outer_rows(run_dir, 1) or p.poll() is not None, 200,
+               what="node 1's first outer step")  # fmt: skip
+    pid = rank_pid(p.pid, node=1, rank=1)
+    assert pid is not None, log.read_text()[-3000:]
+    os.kill(pid, signal.SIGKILL)
+    assert p.wait(timeout=300) == 1, log.read_text()[-3000:]  # node 1 failed: exit 1
+    text = log.read_text()
+    # its sibling either failed at once in an intra-node collective or was ended by the launcher
+    assert "[launch] node 1 rank 1 exited with code -9" in text
+    assert rank_pid(p.pid, node=1, rank=0) is None
+    assert "[node 0 rank 0] done: 60/60 steps" in text
+    outer = outer_rows(run_dir, 0)
+    assert sorted(outer) == [1, 2, 3] and outer[1]["nodes"] == 2
+    assert outer[3]["nodes"] == 1, "node 0 still averaged with the dead node"
