@@ -1,19 +1,23 @@
-"""prime-comm kernels: quantize / dequantize rates against torch on the same buffer.
+"""prime-comm kernels: quantize / dequantize element rates against float32 copy_.
 
-    uv run python benchmarks/comm_quant.py [--numel 16777216] [--repeats 7]
+    uv run python benchmarks/comm_quant.py [--numel 16777216] [--runs 9] [--threads 1 2]
 
-For 1 thread, then every thread count up to all CPUs, prints element rates of quantize,
-dequantize and the fused dequantize-accumulate as fractions of torch's float32 `copy_` rate
-on the same buffer (the memory limit), and as ratios to the pure-torch reference
-(prime_comm.reference, the tests' yardstick). Best of `repeats` runs each, taken in turns
-(copy_, quantize, dequantize, ...) since these machines are shared and noisy; the 1-thread
-row is timed in thread CPU time (exact for single-threaded work), the others in wall time.
+Each figure is an element rate divided by torch's float32 `copy_` rate on the same buffer
+(the memory limit), measured in the same process. Every run times all the calls in turn
+(copy_, quantize with `out=`, `quantize(x)`, dequantize with `out=`, `dequantize(q)`,
+dequantize_add_), so a load spike on this shared machine hits a run's calls alike; a run's
+ratio is copy_'s time over the call's time in that run, and the table shows the median over
+the runs with the lowest and highest run. The allocating forms include allocating and
+freeing their result, as a caller pays it. One thread is timed in thread CPU time (its own
+page faults included, other processes' load not); more threads in wall time. At the end,
+the speed-up over the pure-torch reference (prime_comm.reference, the tests' yardstick).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -22,99 +26,114 @@ import prime_comm
 from prime_comm import _kernels
 from prime_comm.reference import dequantize_ref, quantize_ref
 
+GOALS = {"quantize": 0.7, "dequantize": 1.0}  # x copy_, one thread, both forms (issue 16)
 
-def interleaved_best(fns: dict, repeats: int, clock) -> dict[str, float]:
-    """Best time of each function, run in turns so that load spikes hit all of them alike."""
+
+def timed_runs(fns: dict, runs: int, clock) -> dict[str, list[float]]:
+    """Seconds of each function in each run; the functions take turns within a run."""
     for fn in fns.values():
-        fn()  # warm up: page faults, thread start
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
+        fn()  # warm up: page faults of preallocated buffers, thread start
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
         for name, fn in fns.items():
             t = clock()
             fn()
-            best[name] = min(best[name], clock() - t)
-    return best
+            times[name].append(clock() - t)
+    return times
 
 
-def measure(x: torch.Tensor, threads: int, repeats: int, with_ref: bool) -> dict[str, float]:
+def measure(x: torch.Tensor, threads: int, runs: int) -> dict[str, list[float]]:
+    """Per-run ratios (x copy_) of every call at this thread count."""
     torch.set_num_threads(threads)
     prime_comm.set_num_threads(threads)
-    n = x.numel()
     dst = torch.empty_like(x)
     acc = torch.zeros_like(x)
-    buf = torch.empty(prime_comm.encoded_nbytes(n), dtype=torch.uint8)
+    buf = torch.empty(prime_comm.encoded_nbytes(x.numel()), dtype=torch.uint8)
     q = prime_comm.quantize(x, out=buf)
     fns = {
         "copy_": lambda: dst.copy_(x),
-        "quantize": lambda: prime_comm.quantize(x, out=buf),
-        "dequantize": lambda: prime_comm.dequantize(q, out=dst),
+        "quantize out=": lambda: prime_comm.quantize(x, out=buf),
+        "quantize(x)": lambda: prime_comm.quantize(x),  # result freed at once, as callers do
+        "dequantize out=": lambda: prime_comm.dequantize(q, out=dst),
+        "dequantize(q)": lambda: prime_comm.dequantize(q),
         "dequantize_add_": lambda: prime_comm.dequantize_add_(acc, q),
     }
     # One thread runs in the calling thread (torch's and ours), so its CPU time is exact and
     # immune to other processes on a shared machine; more threads need the wall clock.
     clock = time.thread_time if threads == 1 else time.perf_counter
-    times = interleaved_best(fns, repeats, clock)
-    if with_ref:
-        books, codes = quantize_ref(x)
-        refs = {
-            "ref_quantize": lambda: quantize_ref(x),
-            "ref_dequantize": lambda: dequantize_ref(books, codes),
-        }
-        times.update(interleaved_best(refs, max(1, repeats // 3), clock))
-    return {name: n / t for name, t in times.items()}
+    times = timed_runs(fns, runs, clock)
+    base = times.pop("copy_")
+    ratios = {name: [c / t for c, t in zip(base, ts, strict=True)] for name, ts in times.items()}
+    ratios["copy_ Gelem/s"] = [x.numel() / c / 1e9 for c in base]
+    return ratios
+
+
+def reference_speedup(x: torch.Tensor, runs: int) -> tuple[float, float]:
+    """Median speed-up of the kernels over the pure-torch reference, on one thread."""
+    torch.set_num_threads(1)
+    prime_comm.set_num_threads(1)
+    q = prime_comm.quantize(x)
+    books, codes = quantize_ref(x)
+    t = timed_runs(
+        {
+            "ref_q": lambda: quantize_ref(x),
+            "q": lambda: prime_comm.quantize(x),
+            "ref_d": lambda: dequantize_ref(books, codes),
+            "d": lambda: prime_comm.dequantize(q),
+        },
+        runs,
+        time.thread_time,
+    )
+    med = {k: statistics.median(v) for k, v in t.items()}
+    return med["ref_q"] / med["q"], med["ref_d"] / med["d"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=1 << 24)
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--runs", type=int, default=9, help="runs per figure (median; >= 5)")
+    ap.add_argument("--threads", type=int, nargs="*", help="thread counts (default: 1 and all)")
     args = ap.parse_args()
+    if args.runs < 5:
+        ap.error("--runs must be at least 5 (the figures are medians)")
     cpus = len(os.sched_getaffinity(0))
+    counts = args.threads or sorted({1, cpus})
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     y = prime_comm.dequantize(prime_comm.quantize(x))
     err = ((y - x).norm() / x.norm()).item()
     print(
         f"buffer: {args.numel:,} float32 ({args.numel * 4 / 2**20:.0f} MiB), {cpus} CPUs, "
-        f"simd={_kernels.simd()}, torch {torch.__version__}"
+        f"simd={_kernels.simd()}, torch {torch.__version__}, {args.runs} runs per figure"
     )
     print(f"round-trip relative L2 error on standard normal: {err:.4%}")
-    bytes_ratio = prime_comm.encoded_nbytes(args.numel) / (4 * args.numel)
-    print(f"encoded size: {bytes_ratio:.4f} x float32\n")
+    print(f"encoded size: {prime_comm.encoded_nbytes(args.numel) / (4 * args.numel):.4f} x float32")
 
     rows = []
-    counts = sorted({1, *range(2, cpus + 1)})
     for threads in counts:
         print(f"measuring {threads} thread(s)...", flush=True)
-        rows.append((threads, measure(x, threads, args.repeats, with_ref=threads in (1, cpus))))
+        rows.append((threads, measure(x, threads, args.runs)))
+    names = [k for k in rows[0][1] if k != "copy_ Gelem/s"]
+    print("\nx copy_: median [lowest run, highest run]")
+    print(f"{'threads':>7} | {'copy_ Gelem/s':>13} | " + " | ".join(f"{n:>19}" for n in names))
+    for threads, r in rows:
+        cells = [
+            f"{statistics.median(r[n]):5.2f} [{min(r[n]):4.2f}, {max(r[n]):4.2f}]" for n in names
+        ]
+        copy_rate = statistics.median(r["copy_ Gelem/s"])
+        print(f"{threads:7d} | {copy_rate:13.2f} | " + " | ".join(f"{c:>19}" for c in cells))
 
-    base = rows[0][1]
+    ref_q, ref_d = reference_speedup(x, max(3, args.runs // 3))
     print(
-        "\nthreads | copy_ Gelem/s | quantize (x copy_) | dequantize (x copy_) | "
-        "dequant+add (x copy_) | quantize scaling | dequantize scaling"
+        f"\nvs the pure-torch reference (1 thread): quantize {ref_q:.0f}x, dequantize {ref_d:.0f}x"
     )
-    for threads, r in rows:
-        c = r["copy_"]
-        print(
-            f"{threads:7d} | {c / 1e9:13.2f} | {r['quantize'] / 1e9:6.2f} ({r['quantize'] / c:5.2f}) "
-            f"    | {r['dequantize'] / 1e9:6.2f} ({r['dequantize'] / c:5.2f})      "
-            f"| {r['dequantize_add_'] / 1e9:6.2f} ({r['dequantize_add_'] / c:5.2f})       "
-            f"| {r['quantize'] / base['quantize']:5.2f}x           "
-            f"| {r['dequantize'] / base['dequantize']:5.2f}x"
-        )
-    print("\nvs the pure-torch reference (same thread count):")
-    for threads, r in rows:
-        if "ref_quantize" in r:
-            print(
-                f"  {threads} thread(s): quantize {r['quantize'] / r['ref_quantize']:.1f}x, "
-                f"dequantize {r['dequantize'] / r['ref_dequantize']:.1f}x faster"
-            )
-    one, alln = rows[0][1], rows[-1][1]
-    print(
-        f"\nsummary: quantize {one['quantize'] / one['copy_']:.2f} / "
-        f"{alln['quantize'] / alln['copy_']:.2f} of copy_ (1 / {cpus} threads; bar 0.3, goal 0.5), "
-        f"dequantize {one['dequantize'] / one['copy_']:.2f} / "
-        f"{alln['dequantize'] / alln['copy_']:.2f} (bar 0.5, goal 0.8)"
-    )
+    one = dict(rows)[1] if 1 in dict(rows) else rows[0][1]
+    verdicts = []
+    for name in names:
+        goal = GOALS.get(name.split()[0].split("(")[0])
+        if goal is not None and name != "dequantize_add_":
+            med = statistics.median(one[name])
+            verdicts.append(f"{name} {med:.2f} ({'meets' if med >= goal else 'below'} {goal})")
+    print("summary (1 thread, x copy_): " + ", ".join(verdicts))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 #include <tuple>
 #include <vector>
 
+#include "buffer_pool.h"
+#include "decode.h"
 #include "quant.h"
 #include "thread_pool.h"
 
@@ -64,9 +66,16 @@ int64_t quantize_many(const std::vector<Job>& jobs) {
   return first == INT64_MAX ? -1 : first;
 }
 
+// Outputs at least this large are written with streaming stores: they cannot stay in the
+// cache anyway, and a plain store would first read every destination line from memory.
+constexpr int64_t kStreamBytes = int64_t(16) << 20;
+
 // Decodes each job (encoded source, n, float32 destination); accumulate adds into it.
 void dequantize_many(const std::vector<Job>& jobs, bool accumulate) {
   const auto refs = blocks_of(jobs);
+  int64_t total = 0;
+  for (const auto& job : jobs) total += std::get<1>(job);
+  const bool stream = !accumulate && total * int64_t(sizeof(float)) >= kStreamBytes;
   py::gil_scoped_release release;
   Pools::run(static_cast<int64_t>(refs.size()), [&](int64_t t) {
     const auto [src, n, dst] = jobs[refs[t].job];
@@ -79,7 +88,8 @@ void dequantize_many(const std::vector<Job>& jobs, bool accumulate) {
     if (accumulate) {
       decode_block<1>(cb, codes, len, out);
     } else {
-      decode_block<0>(cb, codes, len, out);
+      decode_block<0>(cb, codes, len, out, stream);
+      if (stream) store_fence();  // streamed stores are visible before the block is done
     }
   });
 }
@@ -121,18 +131,24 @@ void set_num_threads(int n) {
   Pools::set_num_threads(n);
 }
 
-std::string simd() { return use_avx2() ? "avx2" : "scalar"; }
+std::string simd() { return simd_name(simd_level()); }
 
-// Test hook: force the portable path (or back to AVX2 when the CPU has it).
+// Test hook: run a lower SIMD level (or back up to what the CPU has).
 void set_simd(const std::string& which) {
+  Simd want;
   if (which == "scalar") {
-    use_avx2() = false;
+    want = Simd::kScalar;
   } else if (which == "avx2") {
-    if (!cpu_has_avx2()) throw std::invalid_argument("this CPU has no AVX2");
-    use_avx2() = true;
+    want = Simd::kAvx2;
+  } else if (which == "avx512") {
+    want = Simd::kAvx512;
   } else {
-    throw std::invalid_argument("simd must be 'scalar' or 'avx2'");
+    throw std::invalid_argument("simd must be 'scalar', 'avx2' or 'avx512'");
   }
+  if (static_cast<int>(want) > static_cast<int>(cpu_simd())) {
+    throw std::invalid_argument(std::string("this CPU has no ") + which);
+  }
+  simd_level() = want;
 }
 
 }  // namespace
@@ -151,4 +167,22 @@ PYBIND11_MODULE(_kernels, m) {
   m.def("get_num_threads", &Pools::num_threads);
   m.def("simd", &simd);
   m.def("set_simd", &set_simd, py::arg("which"));
+  m.def("cpu_simd", [] { return std::string(simd_name(cpu_simd())); });
+  py::class_<Buffer>(m, "Buffer", py::buffer_protocol(),
+                     "Pooled memory for one allocating call's result (see buffer_pool.h)")
+      .def(py::init([](int64_t nbytes) {
+             if (nbytes <= 0) throw std::invalid_argument("buffer size must be positive");
+             return new Buffer(nbytes);
+           }),
+           py::arg("nbytes"))
+      .def_buffer([](Buffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {1});
+      });
+  m.def("set_buffer_cache_limit", [](int64_t n) {
+    if (n < 0) throw std::invalid_argument("cache limit must be >= 0");
+    BufferPool::set_limit(static_cast<size_t>(n));
+  });
+  m.def("buffer_cache_limit", [] { return static_cast<int64_t>(BufferPool::limit()); });
+  m.def("cached_buffer_bytes", [] { return static_cast<int64_t>(BufferPool::cached_bytes()); });
 }

@@ -11,6 +11,7 @@ from prime_comm.quant import (
     encoded_nbytes,
     get_num_threads,
     quantize,
+    set_buffer_cache_limit,
     set_num_threads,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "encoded_nbytes",
     "get_num_threads",
     "quantize",
+    "set_buffer_cache_limit",
     "set_num_threads",
 ]
 __version__ = "0.1.0"

@@ -18,6 +18,9 @@ from prime_comm._checks import check_float_tensor
 BLOCK: int = _kernels.BLOCK
 LEVELS: int = _kernels.LEVELS
 _CODEBOOK_BYTES = LEVELS * 4
+# Results at least this large come from the kernels' buffer cache (fresh memory faults in
+# page by page at a cost close to the kernel's own); smaller ones from torch.empty.
+_POOLED_BYTES = 1 << 20
 
 
 def encoded_nbytes(numel: int) -> int:
@@ -74,12 +77,33 @@ def get_num_threads() -> int:
     return _kernels.get_num_threads()
 
 
+def set_buffer_cache_limit(nbytes: int) -> None:
+    """Bytes of freed results that `quantize(x)` / `dequantize(q)` keep for reuse.
+
+    Default 512 MiB; 0 returns them all to the system and disables the cache.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"cache limit must be an int, got {type(nbytes).__name__}")
+    if nbytes < 0:
+        raise ValueError(f"cache limit must be >= 0, got {nbytes}")
+    _kernels.set_buffer_cache_limit(nbytes)
+
+
+def _new_tensor(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D tensor of `nbytes` bytes, pooled when large."""
+    if nbytes < _POOLED_BYTES:
+        return torch.empty(nbytes // dtype.itemsize, dtype=dtype)
+    # The tensor holds the Buffer (buffer protocol); when the last view dies, the memory goes
+    # back to the cache. The tensor is writable and shares nothing with other results.
+    return torch.frombuffer(_kernels.Buffer(nbytes), dtype=dtype)
+
+
 def quantize(x: torch.Tensor, out: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize a contiguous float32 CPU tensor; NaN or Inf is a ValueError."""
     check_float_tensor(x, "x")
     nbytes = _kernels.encoded_bytes(x.numel())
     if out is None:
-        out = torch.empty(nbytes, dtype=torch.uint8)
+        out = _new_tensor(nbytes, torch.uint8)
     else:
         _check_encoded(out, nbytes, "out")
     if _kernels.quantize_many([(x.data_ptr(), x.numel(), out.data_ptr())]) >= 0:
@@ -114,7 +138,7 @@ def _decode_target(q: QuantizedTensor, out: torch.Tensor | None) -> torch.Tensor
         raise ValueError(f"q.shape must not hold negative sizes, got {tuple(shape)}")
     _check_encoded(q.data, _kernels.encoded_bytes(q.numel), "q.data")
     if out is None:
-        return torch.empty(q.shape, dtype=torch.float32)
+        return _new_tensor(4 * q.numel, torch.float32).view(shape)
     check_float_tensor(out, "out")
     if out.numel() != q.numel:
         raise ValueError(f"out has {out.numel()} elements but q encodes {q.numel}")
