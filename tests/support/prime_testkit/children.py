@@ -1,4 +1,4 @@
-"""Helpers shared by every test folder: free ports and child processes that never outlive a test.
+"""Child processes that never outlive a test, free ports, and bounded waits.
 
 Children are started in their own process group with PR_SET_PDEATHSIG, so they die with the
 test process even if pytest itself is killed, and `Children.kill_all()` (run by the `children`
@@ -51,7 +51,7 @@ def _target_spec(target: Callable[..., Any]) -> tuple[str, str, str]:
     return (target.__module__, inspect.getfile(target), target.__qualname__)
 
 
-def _load_target(spec: tuple[str, str, str]) -> Callable[..., Any]:
+def load_target(spec: tuple[str, str, str]) -> Callable[..., Any]:
     module_name, path, qualname = spec
     try:
         module = importlib.import_module(module_name)
@@ -71,7 +71,7 @@ def _load_target(spec: tuple[str, str, str]) -> Callable[..., Any]:
 def _mp_entry(spec: tuple[str, str, str], args: tuple, kwargs: dict) -> None:
     os.setpgid(0, 0)
     die_with_parent()
-    _load_target(spec)(*args, **kwargs)
+    load_target(spec)(*args, **kwargs)
 
 
 class Children:
