@@ -18,3 +18,16 @@ def children():
 @pytest.fixture
 def port():
     return free_port()
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Four rank processes in one gloo world, started at first use and shared by every test
+    of the session (prime_testkit.RankPool): startup, not the cases, dominates such tests."""
+    from prime_testkit import RankPool
+
+    pool = RankPool(4)
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -107,9 +107,8 @@ def bench_dcp(state, root: Path, saves: int) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    if not dist.is_initialized():
-        port = 29500 + os.getpid() % 1000
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not dist.is_initialized():  # DCP wants a group; one process needs no rendezvous port
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     blocking, durable = [], []
     for step in range(1, saves + 1):
         next(iter(tensors(state))).add_(1)

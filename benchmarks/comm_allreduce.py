@@ -43,9 +43,10 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     prime_comm.set_num_threads(args.threads)
+    from prime_testkit import gloo_world
+
     host, port = args.master.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), args.world, is_master=args.rank == 0)
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world)
+    gloo_world(args.rank, args.world, int(port), host=host, timeout=600.0)
     for n in args.sizes:
         x = torch.randn(n, generator=torch.Generator().manual_seed(1000 + args.rank))
         exact = x.clone()
@@ -151,10 +152,10 @@ def main() -> None:
     ap.add_argument("--master", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.sizes = [parse_size(str(s)) for s in args.sizes]
+    sys.path.insert(0, str(ROOT / "tests" / "support"))  # prime_testkit, prime_netbed
     if args.worker:
         worker(args)
         return
-    sys.path.insert(0, str(ROOT / "tests" / "support"))
     where = f"WAN bed, {args.wan:g} Mbit/s links" if args.wan else "loopback"
     print(
         f"all_reduce avg, standard normal, {where}, {args.threads} thread(s) per rank, "

@@ -8,7 +8,7 @@ measures, from the parent's clock:
   sigkill  SIGKILL one node while the others are inside an all-reduce, until every survivor
            finished an all-reduce on the new group
   sigstop  the same with SIGSTOP (a straggler: only the heartbeat timeout reveals it)
-Each figure is printed against the configured heartbeat timeout (the issue's goals: SIGKILL
+Each figure is printed against the configured heartbeat timeout (the targets: SIGKILL
 within 2 s, SIGSTOP within timeout + one interval).
 
     uv run python benchmarks/mesh_failover.py [--nodes 4] [--rounds 3]

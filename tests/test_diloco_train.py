@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from prime_ckpt import fetch_from_peer
+from prime_comm import ring_bytes
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
 from prime_train.model import Transformer, model_args, num_params
@@ -92,13 +93,12 @@ def test_two_nodes_through_the_cli_learn_with_identical_weights(tmp_path, token_
     assert summary["heldout_loss"] <= 0.7 * summary["initial_heldout_loss"]
     d = summary["diloco"]
     assert d["outer_steps"] == 3 and d["compression"] == "uint8"
-    # uint8 sends at most 0.26x the bytes of the float32 ring all-reduce, 2*(W-1)/W*4 bytes
-    # per parameter (the debug model has 0.44M parameters per rank: each 64K block's codebook
-    # is a small share)
+    # uint8 sends at most 0.26x the bytes of the float32 ring all-reduce (the debug model has
+    # 0.44M parameters per rank: each 64K block's codebook is a small share)
     with torch.device("meta"):
         numel = num_params(Transformer(model_args("debug")))
     assert numel >= 64 * 1024
-    fp32_ring_bytes = 2 * (2 - 1) / 2 * 4 * numel
+    fp32_ring_bytes = ring_bytes(numel, world=2)
     sent = [r["bytes_sent"] for r in records(run_dir / "metrics.jsonl") if "bytes_sent" in r]
     assert len(sent) == 3 and sum(sent) == d["comm_bytes"]
     for b in sent:

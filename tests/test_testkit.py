@@ -1,7 +1,7 @@
 import os
 import signal
-import sys
-import time
+
+import pytest
 
 from prime_testkit import Children, wait_until
 
@@ -37,4 +37,40 @@ def test_grandchildren_die_with_the_group(tmp_path):
             return f.read().split(")")[1].split()[0] == "Z"
 
     wait_until(gone, 10, what="grandchild to die")
-    assert sys.platform.startswith("linux") and time.monotonic() > 0
+
+
+def _case_sum(ctx, value):
+    """Sum of (rank + value) over the call's group, with the group's own view of it."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(ctx.rank + value)])
+    if ctx.group.startswith("fresh"):  # an unregistered group: call it directly
+        ctx.pg.allreduce([t]).wait()
+        size = ctx.pg.size()
+    else:
+        dist.all_reduce(t, group=ctx.pg)
+        size = dist.get_world_size(ctx.pg)
+    return {"sum": t.item(), "rank": ctx.rank, "size": size}
+
+
+def _case_fail(ctx):
+    raise ValueError(f"rank {ctx.rank} refuses")
+
+
+def test_rank_pool_runs_cases_in_groups_of_each_size(rank_pool):
+    for world in (1, 2, 4):
+        replies = rank_pool.run(_case_sum, world, value=10)
+        want = sum(r + 10 for r in range(world))
+        assert [(r["rank"], r["size"], r["sum"]) for r in replies] == [
+            (r, world, want) for r in range(world)
+        ]
+    replies = rank_pool.run(_case_sum, 3, group=rank_pool.fresh_group(), value=1)
+    assert [r["sum"] for r in replies] == [6.0] * 3 and replies[2]["size"] == 3
+
+
+def test_rank_pool_reports_a_failing_case_and_goes_on(rank_pool):
+    with pytest.raises(AssertionError, match="ValueError: rank 0 refuses"):
+        rank_pool.run(_case_fail, 2)
+    # rank 1's answer to the failed call is stale now: the next call gets its own answers
+    assert [r["sum"] for r in rank_pool.run(_case_sum, 2, value=0)] == [1.0, 1.0]

@@ -1,25 +1,26 @@
-"""One rank of a multi-process prime-ckpt test (run as a script by test_distributed.py).
+"""The ranks' side of test_distributed.py: phases run by the session's rank pool.
 
-    python dist_worker.py PHASE RANK WORLD PORT ROOT
-
-Phases: save2 (W=2 saves DTensor and FSDP2 state), load1 (W=1 loads both, saves its own),
-load2 (W=2 loads the W=1 checkpoint and its own RAM copy). Exits non-zero on any mismatch.
+Each `phase_NAME(ctx, root)` runs on ranks 0..W-1 of the pool (prime_testkit.RankPool) in
+`ctx.pg`, the subgroup of W ranks, and raises on any mismatch: save2 (W=2 saves DTensor and
+FSDP2 state), load1 (W=1 loads both, saves its own), load2 (W=2 loads the W=1 checkpoint and
+its own RAM copy), fail2 (W=2, one rank's disk full).
 """
 
 from __future__ import annotations
 
-import sys
+import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from prime_ckpt import CheckpointManager, StateMismatch
+from prime_ckpt import CheckpointError, CheckpointManager, StateMismatch
+from prime_ckpt.faults import ENV
 
 ROWS = {"w": (5, 3), "tiny": (1, 4), "big": (6,), "rep": (2, 2)}
 
@@ -79,100 +80,111 @@ def fsdp_flat(model, opt) -> dict[str, np.ndarray]:
     return out
 
 
-def main() -> None:
-    phase, rank, world, port, root = sys.argv[1:6]
-    rank, world, root = int(rank), int(world), Path(root)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    mesh = init_device_mesh("cpu", (world,))
-    shm = root / f"shm-{phase}-{rank}"
-    if phase == "save2":
-        # not closed: its RAM copies stay for phase load2, as after a crash
-        mgr = CheckpointManager(root / "dt", shm_dir=shm)
-        h = mgr.save(3, dstate(mesh, 3))
-        t = torch.ones(1)
-        for _ in range(20):  # training collectives while rank 0 commits in the background
-            dist.all_reduce(t)
-        h.wait(timeout=120)
-        model, opt = fsdp_model(mesh, seed=0)
-        with CheckpointManager(root / "fsdp", shm_dir=shm) as mgr:
-            mgr.save(1, {"model": model.state_dict(), "optim": opt.state_dict()}).wait(120)
-        flat = fsdp_flat(model, opt)
-        if rank == 0:
-            np.savez(root / "fsdp_expected.npz", **flat)
-    elif phase == "load1":
-        st = dstate(mesh, None)
-        with CheckpointManager(root / "dt", shm_dir=shm) as mgr:
-            assert mgr.load_latest(st) == 3
-            check_dstate(st, 3)
-            plain = {k: torch.zeros(ROWS[k]) for k in ("w", "tiny")}
-            plain["nested"] = {"big": torch.zeros(6), "rep": torch.zeros(2, 2)}
-            plain.update(count=0, tags=[])
-            assert mgr.load(3, plain) == 3  # DTensor shards into plain tensors
-            check_dstate(plain, 3)
-            bad = dstate(mesh, None)
-            bad["w"] = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
-            try:
-                mgr.load(3, bad)
-                raise AssertionError("shape mismatch not detected")
-            except StateMismatch as e:
-                assert "w: checkpoint has shape (5, 3)" in str(e), e
-        model, opt = fsdp_model(mesh, seed=123)
-        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-        with CheckpointManager(root / "fsdp", shm_dir=shm) as mgr:
-            assert mgr.load_latest(sd) == 1
-        opt.load_state_dict(sd["optim"])
-        expected = np.load(root / "fsdp_expected.npz")
-        got = fsdp_flat(model, opt)
-        assert sorted(got) == sorted(expected.files), (sorted(got), expected.files)
-        for k in expected.files:
-            np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
-        with CheckpointManager(root / "dt1", shm_dir=shm) as mgr:
-            mgr.save(4, dstate(mesh, 4)).wait(120)
-            try:
-                mgr.save(
-                    5, {"layer": {"w": distribute_tensor(torch.zeros(2, 4), mesh, [Shard(1)])}}
-                )
-                raise AssertionError("Shard(1) accepted")
-            except TypeError as e:
-                assert "cannot checkpoint layer/w" in str(e) and "Shard(0)" in str(e), e
-    elif phase == "fail2":
-        import os
+def phase_save2(ctx, root: str) -> dict:
+    """W=2 saves DTensor state (while training collectives go on) and FSDP2 + AdamW state."""
+    group, mesh, shm = setup(ctx, root, "save2")
+    root = Path(root)
+    # not closed: its RAM copies stay for phase load2, as after a crash
+    mgr = CheckpointManager(root / "dt", shm_dir=shm, group=group)
+    h = mgr.save(3, dstate(mesh, 3))
+    t = torch.ones(1)
+    for _ in range(20):  # training collectives while rank 0 commits in the background
+        dist.all_reduce(t, group=group)
+    h.wait(timeout=120)
+    model, opt = fsdp_model(mesh, seed=0)
+    with CheckpointManager(root / "fsdp", shm_dir=shm, group=group) as mgr:
+        mgr.save(1, {"model": model.state_dict(), "optim": opt.state_dict()}).wait(120)
+    flat = fsdp_flat(model, opt)
+    if ctx.rank == 0:
+        np.savez(root / "fsdp_expected.npz", **flat)
+    dist.barrier(group=group)
+    return {}
 
-        from prime_ckpt import CheckpointError
-        from prime_ckpt.faults import ENV
 
-        with CheckpointManager(root / "fail", shm_dir=shm) as mgr:
-            mgr.save(1, dstate(mesh, 1)).wait(120)
-            if rank == 1:
-                os.environ[ENV] = "enospc@2"  # only rank 1's disk is full
-            try:
-                mgr.save(2, dstate(mesh, 2)).wait(120)
-                raise AssertionError("step 2 committed although rank 1 failed")
-            except CheckpointError as e:
-                print(f"rank {rank} step 2 failed: {e}")
-            os.environ.pop(ENV, None)
-            mgr.save(3, dstate(mesh, 3)).wait(120)
-            st = dstate(mesh, None)
-            dist.barrier()
-            assert mgr.load(1, st) == 1
-            check_dstate(st, 1)
-    elif phase == "load2":
-        st = dstate(mesh, None)
-        with CheckpointManager(root / "dt1", shm_dir=shm) as mgr:
-            assert mgr.load_latest(st) == 4
-        check_dstate(st, 4)
-        st = dstate(mesh, None)
-        with CheckpointManager(root / "dt", shm_dir=root / f"shm-save2-{rank}") as mgr:
-            copies = {c.tier for c in mgr.list() if c.step == 3}
-            assert mgr.load_latest(st) == 3
+def phase_load1(ctx, root: str) -> dict:
+    """W=1 loads both checkpoints of save2, into DTensors and plain tensors, and saves its own."""
+    group, mesh, shm = setup(ctx, root, "load1")
+    root = Path(root)
+    st = dstate(mesh, None)
+    with CheckpointManager(root / "dt", shm_dir=shm, group=group) as mgr:
+        assert mgr.load_latest(st) == 3
         check_dstate(st, 3)
-        print(f"rank {rank} copies of step 3: {sorted(copies)}")
-    dist.barrier()
-    dist.destroy_process_group()
-    print(f"rank {rank} {phase} ok")
+        plain = {k: torch.zeros(ROWS[k]) for k in ("w", "tiny")}
+        plain["nested"] = {"big": torch.zeros(6), "rep": torch.zeros(2, 2)}
+        plain.update(count=0, tags=[])
+        assert mgr.load(3, plain) == 3  # DTensor shards into plain tensors
+        check_dstate(plain, 3)
+        bad = dstate(mesh, None)
+        bad["w"] = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
+        try:
+            mgr.load(3, bad)
+            raise AssertionError("shape mismatch not detected")
+        except StateMismatch as e:
+            assert "w: checkpoint has shape (5, 3)" in str(e), e
+    model, opt = fsdp_model(mesh, seed=123)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with CheckpointManager(root / "fsdp", shm_dir=shm, group=group) as mgr:
+        assert mgr.load_latest(sd) == 1
+    opt.load_state_dict(sd["optim"])
+    expected = np.load(root / "fsdp_expected.npz")
+    got = fsdp_flat(model, opt)
+    assert sorted(got) == sorted(expected.files), (sorted(got), expected.files)
+    for k in expected.files:
+        np.testing.assert_array_equal(got[k], expected[k], err_msg=k)
+    with CheckpointManager(root / "dt1", shm_dir=shm, group=group) as mgr:
+        mgr.save(4, dstate(mesh, 4)).wait(120)
+        try:
+            mgr.save(5, {"layer": {"w": distribute_tensor(torch.zeros(2, 4), mesh, [Shard(1)])}})
+            raise AssertionError("Shard(1) accepted")
+        except TypeError as e:
+            assert "cannot checkpoint layer/w" in str(e) and "Shard(0)" in str(e), e
+    return {}
 
 
-if __name__ == "__main__":
-    main()
+def phase_fail2(ctx, root: str) -> dict:
+    """W=2 where only rank 1's disk fills up at step 2: the commit aborts on both ranks."""
+    group, mesh, shm = setup(ctx, root, "fail2")
+    root = Path(root)
+    with CheckpointManager(root / "fail", shm_dir=shm, group=group) as mgr:
+        mgr.save(1, dstate(mesh, 1)).wait(120)
+        if ctx.rank == 1:
+            os.environ[ENV] = "enospc@2"  # only rank 1's disk is full
+        try:
+            mgr.save(2, dstate(mesh, 2)).wait(120)
+            raise AssertionError("step 2 committed although rank 1 failed")
+        except CheckpointError as e:
+            failed = str(e)
+        finally:
+            os.environ.pop(ENV, None)  # this process serves later tests
+        mgr.save(3, dstate(mesh, 3)).wait(120)
+        st = dstate(mesh, None)
+        dist.barrier(group=group)
+        assert mgr.load(1, st) == 1
+        check_dstate(st, 1)
+    dist.barrier(group=group)
+    return {"failed": failed}
+
+
+def phase_load2(ctx, root: str) -> dict:
+    """W=2 loads the W=1 checkpoint, and step 3 of save2 with its own RAM copy at hand."""
+    group, mesh, shm = setup(ctx, root, "load2")
+    root = Path(root)
+    st = dstate(mesh, None)
+    with CheckpointManager(root / "dt1", shm_dir=shm, group=group) as mgr:
+        assert mgr.load_latest(st) == 4
+    check_dstate(st, 4)
+    st = dstate(mesh, None)
+    save2_shm = root / f"shm-save2-{ctx.rank}"
+    with CheckpointManager(root / "dt", shm_dir=save2_shm, group=group) as mgr:
+        copies = {c.tier for c in mgr.list() if c.step == 3}
+        assert mgr.load_latest(st) == 3
+    check_dstate(st, 3)
+    dist.barrier(group=group)
+    return {"copies": sorted(copies)}
+
+
+def setup(ctx, root: str, phase: str):
+    """The call's group, a 1-D CPU device mesh over it, and this rank's RAM folder."""
+    torch.set_num_threads(1)
+    mesh = DeviceMesh.from_group(ctx.pg, "cpu")
+    return ctx.pg, mesh, Path(root) / f"shm-{phase}-{ctx.rank}"

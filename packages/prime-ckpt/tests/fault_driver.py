@@ -10,7 +10,6 @@ then restores from each folder.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
@@ -23,6 +22,7 @@ import torch
 
 from prime_ckpt import CheckpointManager
 from prime_ckpt.faults import ENV
+from prime_train.lifetime import die_with_parent
 
 
 def state(step: int) -> dict:
@@ -31,10 +31,6 @@ def state(step: int) -> dict:
         "b": torch.arange(1000) * step,
         "step": step,
     }
-
-
-def die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def fork(fn) -> int:

@@ -1,33 +1,17 @@
 """Multi-rank saves on gloo, and resharding DTensor / FSDP2 state between world sizes."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from prime_ckpt.manifest import read_manifest, verify_dir
-from prime_testkit import free_port
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
-def run_phase(children, phase: str, world: int, root: Path) -> list[str]:
-    port = free_port()
-    procs = [
-        children.python(
-            [str(WORKER), phase, str(r), str(world), str(port), str(root)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for r, p in enumerate(procs):
-        out, _ = p.communicate(timeout=180)
-        assert p.returncode == 0, f"{phase} rank {r} failed:\n{out}"
-        outs.append(out)
-    return outs
+def run_phase(pool, phase: str, world: int, root: Path) -> list[dict]:
+    """Run dist_worker's `phase_<phase>` on ranks 0..world-1 of the session's rank pool."""
+    return pool.run((WORKER, f"phase_{phase}"), world, root=str(root), timeout=180)
 
 
 def check_save2(root: Path) -> None:
@@ -43,13 +27,13 @@ def check_save2(root: Path) -> None:
     assert not [p for p in (root / "dt").iterdir() if p.name.startswith(".tmp")]
 
 
-def test_save_on_2_ranks_load_on_1(children, tmp_path):
+def test_save_on_2_ranks_load_on_1(rank_pool, tmp_path):
     """W=2 commits one checkpoint; W=1 loads DTensor (uneven, empty shard) and FSDP2+AdamW
     state from it, into DTensors and into plain tensors; Shard(1) is refused by name."""
-    run_phase(children, "save2", 2, tmp_path)
+    run_phase(rank_pool, "save2", 2, tmp_path)
     check_save2(tmp_path)
     check_export(tmp_path)
-    run_phase(children, "load1", 1, tmp_path)
+    run_phase(rank_pool, "load1", 1, tmp_path)
 
 
 def check_export(root: Path) -> None:
@@ -73,20 +57,20 @@ def check_export(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_save_on_2_ranks_load_on_1_and_back_on_2(children, tmp_path):
-    run_phase(children, "save2", 2, tmp_path)
+def test_save_on_2_ranks_load_on_1_and_back_on_2(rank_pool, tmp_path):
+    run_phase(rank_pool, "save2", 2, tmp_path)
     check_save2(tmp_path)
-    run_phase(children, "load1", 1, tmp_path)
-    outs = run_phase(children, "load2", 2, tmp_path)
+    run_phase(rank_pool, "load1", 1, tmp_path)
+    outs = run_phase(rank_pool, "load2", 2, tmp_path)
     # same world size: each rank restored step 3 and could use its own RAM copy
-    assert all("copies of step 3: ['disk', 'ram']" in o for o in outs), outs
+    assert [o["copies"] for o in outs] == [["disk", "ram"]] * 2, outs
 
 
 @pytest.mark.slow
-def test_one_rank_failing_aborts_the_commit_and_keeps_older(children, tmp_path):
-    outs = run_phase(children, "fail2", 2, tmp_path)
-    assert all("step 2 failed" in o for o in outs), outs
-    assert "No space left" in outs[1] and "rank 1 failed to write its shard" in outs[0], outs
+def test_one_rank_failing_aborts_the_commit_and_keeps_older(rank_pool, tmp_path):
+    outs = run_phase(rank_pool, "fail2", 2, tmp_path)
+    assert "No space left" in outs[1]["failed"], outs
+    assert "rank 1 failed to write its shard" in outs[0]["failed"], outs
     d = tmp_path / "fail"
     assert sorted(p.name for p in d.iterdir()) == ["step-0000000001", "step-0000000003"]
     for s in ("step-0000000001", "step-0000000003"):

@@ -1,9 +1,9 @@
 import pytest
 
+from prime_ckpt.errors import ManifestError
 from prime_ckpt.manifest import (
     FileEntry,
     Manifest,
-    ManifestError,
     is_leased,
     parse_step_dirname,
     sha256_file,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prime_ckpt import CheckpointManager, CheckpointWarning
+from prime_ckpt import CheckpointManager, CheckpointWarning, committed_steps
 from prime_ckpt.remote import RemoteStore
 from prime_testkit import free_port, wait_until
 
@@ -209,3 +209,30 @@ def test_bad_remote_url_is_a_clear_error(tmp_path):
         CheckpointManager(tmp_path, remote="nosuchproto://x/y")
     with pytest.raises(ValueError, match="compression"):
         CheckpointManager(tmp_path, remote="memory://x", remote_compression="lz4")
+
+
+def test_committed_steps_of_every_tier(tmp_path):
+    """`committed_steps()` reports what this rank holds in RAM, on disk and remote, and a
+    node with empty local tiers sees the remote ones; a handle reports its end without
+    raising."""
+    url = f"memory://prime-{uuid.uuid4().hex}/run"
+    a = tmp_path / "node-a"
+    keep = {"ram": 1, "disk": 1, "remote": None}
+    with CheckpointManager(a / "disk", shm_dir=a / "shm", remote=url, keep=keep) as mgr:
+        assert mgr.committed_steps() == []
+        for s in (1, 2, 3):
+            h = mgr.save(s, st(s))
+            assert h.join(60) and h.done() and h.error is None
+            assert mgr.wait_remote(120)
+        assert mgr.committed_steps(["ram"]) == [3]
+        assert mgr.committed_steps(["disk"]) == [3]
+        assert mgr.committed_steps(["remote"]) == [1, 2, 3]
+        assert mgr.committed_steps() == [1, 2, 3]
+        with pytest.raises(ValueError, match="unknown tiers"):
+            mgr.committed_steps(["tape"])
+    assert committed_steps(a / "disk") == [3]
+    assert committed_steps(tmp_path / "nowhere") == []
+    b = tmp_path / "node-b"
+    with CheckpointManager(b / "disk", shm_dir=b / "shm", remote=url) as mgr:
+        assert mgr.committed_steps(("ram", "disk")) == []
+        assert mgr.committed_steps() == [1, 2, 3]

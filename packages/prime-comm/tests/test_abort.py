@@ -6,14 +6,9 @@ every bound below is loose: it proves the path releases the caller, not how fast
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-WORKER = Path(__file__).with_name("comm_worker.py")
 
 
 @pytest.mark.parametrize("mode", ["should_abort", "deadline", "deadline_timedelta"])
@@ -47,12 +42,7 @@ def test_killed_peer_fails_the_collective_on_the_survivors(pool4, children):
     group = pool4.fresh_group()
     for rank in (0, 1):  # they join `group` with the bare peer below, then wait for it
         pool4.send(rank, "abort", 3, group=group, mode="deadline", stall_rank=2, after=20.0)
-    peer = children.popen(
-        [sys.executable, str(WORKER), "solo", "2", "3", str(pool4.port), group],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert peer.stdout.readline().strip() == "joined"
+    peer = pool4.bare_peer(children, 2, 3, group)
     time.sleep(0.5)
     peer.kill()
     peer.wait(timeout=30)

@@ -62,6 +62,7 @@ def test_bytes_on_the_wire(pool4, world):
     packed = pool4.run("reduce", world, n=n, seed=3)
     plain = pool4.run("reduce", world, n=n, seed=3, compression="none")
     for p, f in zip(packed, plain, strict=True):
+        assert p["fp32_ring_bytes"] == prime_comm.ring_bytes(n, world) <= f["bytes_sent"]
         assert p["bytes_sent"] <= 0.26 * p["fp32_ring_bytes"]
         if p["wchar"] is not None:  # what the process really wrote to its sockets
             assert p["wchar"] <= 0.26 * f["wchar"], (p["wchar"], f["wchar"])
@@ -131,3 +132,9 @@ def test_single_process_group_in_process():
         prime_comm.all_reduce(torch.randn(10, requires_grad=True), group=pg)
     with pytest.raises(prime_comm.CollectiveAborted, match="should_abort"):
         prime_comm.all_reduce(x, group=pg, should_abort=lambda: True)
+
+
+def test_ring_bytes_formula():
+    assert prime_comm.ring_bytes(1000, 4) == 6000  # 2 * 3/4 of 4000 bytes
+    assert prime_comm.ring_bytes(1000, 2, bytes_per_elem=1) == 1000
+    assert prime_comm.ring_bytes(1000, 1) == prime_comm.ring_bytes(1000, 0) == 0

@@ -1,22 +1,25 @@
-"""Test driver: a node process that runs mesh commands from a queue, and a cluster of them.
+"""Test driver: a node process that runs mesh commands from a queue (prime_testkit.Nodes).
 
-Each node runs one ElasticDeviceMesh (heartbeat 0.5 s / timeout 3 s, as the issue asks) and
-plain gloo collectives on `mesh.global_pg`, sliced with `work.wait(timedelta)` so it can
-notice `should_abort()` and its deadline, and reports every outcome to the test.
+Each node runs one ElasticDeviceMesh (heartbeat 0.5 s / timeout 3 s: shorter than the
+defaults, so failures show quickly) and plain gloo collectives on `mesh.global_pg`, sliced
+with `work.wait(timedelta)` so it can notice `should_abort()` and its deadline, and reports
+every outcome to the test.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import time
 from datetime import timedelta
 from typing import Any
 
+from prime_testkit import Nodes, gloo_world
+
 HB_INTERVAL, HB_TIMEOUT = 0.5, 3.0
-BOUND = 2 * HB_TIMEOUT + 5  # the issue's loose bound for every failure path
+# Every failure path must release the survivors within two heartbeat timeouts plus slack.
+BOUND = 2 * HB_TIMEOUT + 5
 
 
 def _mesh(coordinator: str, token: str, kwargs: dict):
@@ -67,8 +70,7 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
         os.environ.update(kwargs.pop("env"))
     if "local_store" in kwargs:  # intra-node default group, as torchrun would set up
         host, port, lr, lws = kwargs.pop("local_store")
-        store = dist.TCPStore(host, port, lws, lr == 0, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=lr, world_size=lws)
+        gloo_world(lr, lws, port, host=host)
     mesh: Any = None
     held: dict = {}  # the last group used, to show it survives the coordinator's loss
 
@@ -166,46 +168,6 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
             error(e)
 
 
-class Cluster:
-    """N node processes driven from the test, plus the shared result queue."""
-
-    def __init__(self, children, coordinator: str, token: str) -> None:
-        self.children, self.coordinator, self.token = children, coordinator, token
-        self.out = children.queue()
-        self.cmds: dict[str, Any] = {}
-        self.procs: dict[str, Any] = {}
-        self._pending: list[tuple[str, str, dict]] = []
-
-    def start(self, name: str, **kwargs: Any) -> None:
-        self.cmds[name] = self.children.queue()
-        self.procs[name] = self.children.process(
-            node_main, name, self.coordinator, self.token, self.cmds[name], self.out, kwargs
-        )
-
-    def send(self, names, cmd: str, **arg: Any) -> None:
-        for n in [names] if isinstance(names, str) else names:
-            self.cmds[n].put((cmd, arg))
-
-    def get(self, name: str, timeout: float = 60.0) -> tuple[str, dict]:
-        """Next report from `name` (other nodes' reports are kept for later)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, (n, kind, kw) in enumerate(self._pending):
-                if n == name:
-                    del self._pending[i]
-                    return kind, kw
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no report from {name} within {timeout:.0f}s")
-            try:
-                self._pending.append(self.out.get(timeout=min(left, 1.0)))
-            except queue.Empty:
-                pass
-
-    def expect(self, name: str, kind: str, timeout: float = 60.0) -> dict:
-        got, kw = self.get(name, timeout)
-        assert got == kind, f"{name}: expected {kind}, got {got} {kw}"
-        return kw
-
-    def signal(self, name: str, sig: int) -> None:
-        os.kill(self.procs[name].pid, sig)
+def mesh_nodes(children, coordinator: str, token: str) -> Nodes:
+    """Mesh node processes (node_main) joined to `coordinator`, driven from the test."""
+    return Nodes(children, node_main, coordinator, token)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mesh_node import BOUND, HB_TIMEOUT, Cluster
+from mesh_node import BOUND, HB_TIMEOUT, mesh_nodes
 
 CLI = str(Path(sys.executable).parent / "prime-mesh")
 TOKEN = "test-token-cli"
@@ -47,7 +47,7 @@ def _run(*args, env_token=None, timeout=60):
 @pytest.mark.timeout(200)
 def test_cli_status_and_coordinator_killed(children, tmp_path):
     coord, address = _start_coordinator(children, "--min-nodes", "2")
-    cluster = Cluster(children, address, TOKEN)
+    cluster = mesh_nodes(children, address, TOKEN)
     hosts = {"a": "127.0.0.3", "b": "127.0.0.2"}
     for n in "ab":
         cluster.start(n, metadata={"serve_url": f"http://{n}:1"}, host=hosts[n])

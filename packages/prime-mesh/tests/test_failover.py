@@ -1,13 +1,13 @@
 """Four real node processes on 127.0.0.1 with gloo groups: crash, stall, join, leave, votes.
 
-Heartbeat interval 0.5 s and timeout 3 s; every bound is the issue's loose 2 x timeout + 5 s.
+Heartbeat interval 0.5 s and timeout 3 s; every bound is a loose 2 x timeout + 5 s.
 """
 
 import signal
 import time
 
 import pytest
-from mesh_node import BOUND, Cluster
+from mesh_node import BOUND, mesh_nodes
 
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
@@ -27,7 +27,7 @@ def _states(coordinator):
 
 
 def _form(children, coordinator, names):
-    cluster = Cluster(children, coordinator.address, TOKEN)
+    cluster = mesh_nodes(children, coordinator.address, TOKEN)
     for n in names:
         cluster.start(n)
     joined = {n: cluster.expect(n, "joined", timeout=120) for n in names}

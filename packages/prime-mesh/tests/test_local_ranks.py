@@ -4,7 +4,7 @@ import signal
 import time
 
 import pytest
-from mesh_node import BOUND, Cluster
+from mesh_node import BOUND, mesh_nodes
 
 from prime_mesh import Coordinator
 from prime_testkit import free_port
@@ -16,7 +16,7 @@ TOKEN = "test-token-local"
 def test_two_local_ranks_form_two_consistent_groups(children):
     coord = Coordinator("127.0.0.1", 0, token=TOKEN, min_nodes=2).start()
     try:
-        cluster = Cluster(children, coord.address, TOKEN)
+        cluster = mesh_nodes(children, coord.address, TOKEN)
         ranks = {}
         for node in "xy":
             port = free_port()

@@ -1,12 +1,10 @@
 """The outer step against a hand-written Nesterov reference, over a real 2-process gloo group."""
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from prime_testkit import free_port
+from prime_testkit import free_port, gloo_world
 from prime_train.diloco import OuterOptimizer
 
 
@@ -23,8 +21,7 @@ def reference_outer(start, currents, lr, mu, steps):
 
 def _worker(rank, world, port, q):
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    gloo_world(rank, world, port)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

@@ -5,17 +5,20 @@ atomically, resharded on load; copied to remote storage (fsspec) and handed to j
 peers over authenticated HTTP.
 """
 
-from prime_ckpt.manager import CheckpointManager
-from prime_ckpt.peer import (
+from prime_ckpt.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpoint,
     NoPeerError,
     PeerAuthError,
     PeerError,
     PeerGoneError,
-    fetch_from_peer,
-    serve_directory,
+    StateMismatch,
 )
-from prime_ckpt.reader import CheckpointError, CorruptCheckpoint, StateMismatch
-from prime_ckpt.records import CheckpointInfo, CheckpointWarning, SaveHandle
+from prime_ckpt.manager import CheckpointManager
+from prime_ckpt.manifest import committed_steps
+from prime_ckpt.peer import fetch_from_peer, serve_directory
+from prime_ckpt.records import TIERS, CheckpointInfo, SaveHandle
 
 __version__ = "0.1.0"
 
@@ -31,6 +34,8 @@ __all__ = [
     "PeerGoneError",
     "SaveHandle",
     "StateMismatch",
+    "TIERS",
+    "committed_steps",
     "fetch_from_peer",
     "serve_directory",
 ]

@@ -8,17 +8,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prime_ckpt.errors import CheckpointError, ManifestError, UsageError
 from prime_ckpt.export import export
-from prime_ckpt.manifest import ManifestError, read_manifest, step_dirname, verify_dir
-from prime_ckpt.reader import CheckpointError
-from prime_ckpt.records import CheckpointInfo, _info
+from prime_ckpt.manifest import read_manifest, step_dirname, verify_dir
+from prime_ckpt.records import CheckpointInfo, checkpoint_info
 from prime_ckpt.remote import RemoteStore
 from prime_ckpt.staging import default_shm_dir
 from prime_ckpt.writer import TMP_PREFIX, disk_steps
-
-
-class UsageError(Exception):
-    """A user mistake: printed as one line, exit status 2."""
 
 
 def _human(n: int) -> str:
@@ -46,7 +42,7 @@ def _ram_copies(d: Path, verify: bool) -> list[CheckpointInfo]:
                 step = read_manifest(slot).step
             except ManifestError:
                 continue
-            info = _info(step, "ram", slot, verify)
+            info = checkpoint_info(step, "ram", slot, verify)
             info.tier = f"ram:{shm.name.rsplit('-', 1)[1]}"
             out.append(info)
     return out
@@ -108,7 +104,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if _is_url(args.dir):
         return ls_remote(args)
     d = _disk_dir(args.dir)
-    rows = [_info(s, "disk", d / step_dirname(s), not args.quick, m) for s, m in disk_steps(d)]
+    rows = [
+        checkpoint_info(s, "disk", d / step_dirname(s), not args.quick, m) for s, m in disk_steps(d)
+    ]
     rows += _ram_copies(d, not args.quick)
     rows.sort(key=lambda r: (-r.step, r.tier))
     torn = [p.name for p in d.iterdir() if p.name.startswith(TMP_PREFIX)]

@@ -8,34 +8,26 @@ import queue
 import shutil
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from prime_ckpt.collectives import agree_nonce, all_reduce_int, group_info
-from prime_ckpt.faults import fault
-from prime_ckpt.manifest import Manifest, data_name, meta_name, step_dirname
-from prime_ckpt.reader import (
+from prime_ckpt.errors import (
     CheckpointError,
+    CheckpointWarning,
     CorruptCheckpoint,
     NotCovered,
-    Plan,
-    Source,
     StateMismatch,
-    apply_plan,
-    plan_load,
 )
-from prime_ckpt.records import (
-    CheckpointInfo,
-    CheckpointWarning,
-    SaveHandle,
-    _info,
-    _parse_keep,
-)
-from prime_ckpt.remote import RemoteStore, Uploader
+from prime_ckpt.faults import fault
+from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
+from prime_ckpt.reader import Plan, Source, apply_plan, plan_load
+from prime_ckpt.records import TIERS, CheckpointInfo, SaveHandle, checkpoint_info, parse_keep
+from prime_ckpt.remote import RemoteStore, Uploader, remote_listing
 from prime_ckpt.staging import Stager, clean_stale, default_shm_dir
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
-from prime_ckpt.writer import TMP_PREFIX, CommitError, DiskCommitter, copy_hashed, disk_steps
+from prime_ckpt.writer import TMP_PREFIX, DiskCommitter, copy_hashed, disk_steps
 
 log = logging.getLogger("prime_ckpt")
 
@@ -64,7 +56,7 @@ class CheckpointManager:
         remote_retries: int = 5,
         remote_backoff: float = 0.5,
     ) -> None:
-        self.keep = _parse_keep(keep)
+        self.keep = parse_keep(keep)
         self._remote = RemoteStore(remote, remote_options, remote_compression) if remote else None
         self.disk_dir = Path(disk_dir)
         try:
@@ -119,7 +111,7 @@ class CheckpointManager:
         total = assign_offsets(items)
         meta = pack_meta(skeleton, items, step=step, rank=self.rank, world_size=self.world)
         if self._inflight is not None:
-            self._inflight._done.wait()
+            self._inflight.join()
         self._report_warnings()
         try:
             slot = self._stager.stage(step, items, total, meta)
@@ -135,7 +127,7 @@ class CheckpointManager:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the last save is durable; CheckpointError for failures not yet reported."""
-        if self._inflight is not None and not self._inflight._done.wait(timeout):
+        if self._inflight is not None and not self._inflight.join(timeout):
             raise TimeoutError(f"step {self._inflight.step} not durable after {timeout}s")
         with self._lock:
             msgs, self._unreported = self._unreported, []
@@ -170,12 +162,12 @@ class CheckpointManager:
                     self._committer.abort(handle.step, msg)
                 except Exception:
                     pass
-                handle.error = msg
+                handle.error = msg  # finish() below marks it done
                 with self._lock:
                     self._failures[handle.step] = msg
                     self._unreported.append((handle.step, msg))
             finally:
-                handle._done.set()
+                handle.finish()
 
     def _write(self, step: int, slot: int, user: dict) -> None:
         src = self._stager.slots[slot]
@@ -220,10 +212,22 @@ class CheckpointManager:
             warnings.warn(f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=4)
             return []
 
-    def _steps(self) -> list[int]:
-        ram = {s for s, _ in self._stager.committed()}
-        disk = {s for s, _ in disk_steps(self.disk_dir)}
-        return sorted(ram | disk | set(self._remote_steps()), reverse=True)
+    def committed_steps(self, tiers: Iterable[str] = TIERS) -> list[int]:
+        """Steps this rank holds a committed copy of in any of `tiers` ("ram", "disk",
+        "remote"), oldest first. Local only (no collective) and not verified: `load()`
+        verifies the copy it uses. An unreachable remote is warned about and counts as empty.
+        """
+        tiers = set(tiers)
+        if tiers - set(TIERS):
+            raise ValueError(f"unknown tiers {sorted(tiers - set(TIERS))}; use {TIERS}")
+        steps: set[int] = set()
+        if "ram" in tiers:
+            steps.update(s for s, _ in self._stager.committed())
+        if "disk" in tiers:
+            steps.update(committed_steps(self.disk_dir))
+        if "remote" in tiers:
+            steps.update(self._remote_steps())
+        return sorted(steps)
 
     def _open(self, tier: str, path: Path, step: int) -> Source:
         if tier != "remote":
@@ -296,7 +300,7 @@ class CheckpointManager:
         """
         bound = 2**62
         while True:
-            mine = next((s for s in self._steps() if s < bound), -1)
+            mine = max((s for s in self.committed_steps() if s < bound), default=-1)
             step = all_reduce_int(mine, "max", self.group)
             if step < 0:
                 return None
@@ -332,14 +336,15 @@ class CheckpointManager:
         """Every copy of every checkpoint (newest first), and background failures."""
         out = []
         for s, i in self._stager.committed():
-            out.append(_info(s, "ram", self._stager.slots[i], verify))
+            out.append(checkpoint_info(s, "ram", self._stager.slots[i], verify))
         for s, m in disk_steps(self.disk_dir):
-            out.append(_info(s, "disk", self.disk_dir / step_dirname(s), verify, m))
+            out.append(checkpoint_info(s, "disk", self.disk_dir / step_dirname(s), verify, m))
         with self._lock:
             failures = dict(self._failures)
         for s, msg in failures.items():
             out.append(CheckpointInfo(s, "disk", None, 0, "failed", False, msg))
-        out += self._list_remote()
+        if self._remote is not None:
+            out += remote_listing(self._remote, self._remote_steps(), self._uploader)
         return sorted(out, key=lambda c: (-c.step, c.tier != "ram"))
 
     def serve(
@@ -352,35 +357,11 @@ class CheckpointManager:
             self.disk_dir, host=host, port=port, token=token, advertise_host=advertise_host
         )
 
-    def _list_remote(self) -> list[CheckpointInfo]:
-        if self._remote is None:
-            return []
-        out = []
-        for s in self._remote_steps():
-            try:
-                m = self._remote.manifest(s)
-                size = sum(f.size for f in m.files.values())
-                out.append(
-                    CheckpointInfo(s, "remote", self._remote.path(step_dirname(s)), size, "ok")
-                )
-            except Exception as e:
-                out.append(CheckpointInfo(s, "remote", None, 0, "corrupt", False, str(e)))
-        if self._uploader is not None:
-            for s in sorted(self._uploader.skipped):
-                out.append(
-                    CheckpointInfo(
-                        s, "remote", None, 0, "skipped", None, "a newer step was uploaded instead"
-                    )
-                )
-            for s, msg in dict(self._uploader.failed).items():
-                out.append(CheckpointInfo(s, "remote", None, 0, "failed", False, msg))
-        return out
-
     def wait_remote(self, timeout: float | None = None) -> bool:
         """Block until the newest committed step is uploaded (or its upload failed); False on
         timeout. Uploads never make `save()` wait; this is for the end of a run and tests."""
         if self._inflight is not None:
-            self._inflight._done.wait(timeout)
+            self._inflight.join(timeout)
         return self._uploader.wait(timeout) if self._uploader is not None else True
 
     def close(self, remote_timeout: float | None = None) -> None:
@@ -390,7 +371,7 @@ class CheckpointManager:
             return
         self._closed = True
         if self._inflight is not None:
-            self._inflight._done.wait()
+            self._inflight.join()
         self._jobs.put(None)
         self._worker.join()
         if self._uploader is not None:
@@ -407,4 +388,4 @@ class CheckpointManager:
         self.close()
 
 
-__all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointWarning", "SaveHandle", "CommitError"]
+__all__ = ["CheckpointManager"]

@@ -19,16 +19,14 @@ from typing import Any
 
 import msgpack
 
+from prime_ckpt.errors import ManifestError
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.msgpack"
 LEASE_DIR = ".leases"
 _STEP_RE = re.compile(r"^step-(\d{10})$")
 _CHUNK = 8 << 20
 _TRAILER = b"PCK1"
-
-
-class ManifestError(ValueError):
-    """A manifest that is missing, unreadable, or from an unknown format."""
 
 
 def step_dirname(step: int) -> str:
@@ -193,10 +191,12 @@ def meta_name(rank: int) -> str:
 
 
 def committed_steps(root: str | Path) -> list[int]:
-    """Steps with a committed folder under `root` (not verified), oldest first."""
+    """Steps committed on disk under `root` (a CheckpointManager's disk_dir), oldest first:
+    folders named step-<10 digits> that hold a manifest. Not verified (loading verifies);
+    a missing folder has none. `CheckpointManager.committed_steps()` adds RAM and remote."""
     try:
         names = [p.name for p in Path(root).iterdir()]
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     steps = [s for n in names if (s := parse_step_dirname(n)) is not None]
     return sorted(s for s in steps if (Path(root) / step_dirname(s) / MANIFEST_NAME).is_file())

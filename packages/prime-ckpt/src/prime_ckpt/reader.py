@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from prime_ckpt.errors import CorruptCheckpoint, NotCovered, StateMismatch
 from prime_ckpt.manifest import Manifest, data_name, meta_name, read_manifest, sha256_file
 from prime_ckpt.state import (
     dtype_from_name,
@@ -24,22 +25,6 @@ from prime_ckpt.state import (
     shard_rows,
     unpack_meta,
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, torn or corrupt, or a save that failed."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """A file disagrees with the manifest, or the manifest is unreadable."""
-
-
-class StateMismatch(CheckpointError, ValueError):
-    """The checkpoint does not fit the given state (keys, shapes, dtypes, layout)."""
-
-
-class NotCovered(CheckpointError):
-    """This source lacks some shards the target needs (e.g. a RAM copy of another layout)."""
 
 
 @dataclass

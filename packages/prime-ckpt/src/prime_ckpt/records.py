@@ -8,14 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prime_ckpt.errors import CheckpointError
 from prime_ckpt.manifest import Manifest, verify_dir
-from prime_ckpt.reader import CheckpointError, Source
+from prime_ckpt.reader import Source
 
+TIERS = ("ram", "disk", "remote")
 DEFAULT_KEEP: dict[str, int | None] = {"ram": 2, "disk": 3, "remote": None}
-
-
-class CheckpointWarning(UserWarning):
-    """A background save failed; older checkpoints are intact."""
 
 
 class SaveHandle:
@@ -28,7 +26,19 @@ class SaveHandle:
         self._on_report = on_report
 
     def done(self) -> bool:
+        """True once the background save has ended, committed on disk or failed (`error`)."""
         return self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Block until the background save has ended, committed or failed, without raising;
+        False if it is still running after `timeout` seconds."""
+        return self._done.wait(timeout)
+
+    def finish(self, error: str | None = None) -> None:
+        """Mark the save ended (by the manager's writer thread); `error` says why it failed."""
+        if error is not None:
+            self.error = error
+        self._done.set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is committed on disk; CheckpointError if that failed."""
@@ -45,7 +55,7 @@ class CheckpointInfo:
     """One copy of one checkpoint, as `list()` reports it."""
 
     step: int
-    tier: str  # "ram" or "disk"
+    tier: str  # "ram", "disk" or "remote"
     path: str | None
     size: int
     status: str  # "ok", "corrupt" or "failed"
@@ -53,12 +63,15 @@ class CheckpointInfo:
     detail: str = ""
 
 
-def _parse_keep(keep: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
+def parse_keep(keep: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
+    """How many checkpoints each tier keeps, from `CheckpointManager(keep=...)`: an int (the
+    disk count) or a dict of tier -> count over the defaults; ValueError/TypeError naming a
+    bad value."""
     out = dict(DEFAULT_KEEP)
     if isinstance(keep, int):
         out["disk"] = keep
     elif isinstance(keep, Mapping):
-        unknown = set(keep) - {"ram", "disk", "remote"}
+        unknown = set(keep) - set(TIERS)
         if unknown:
             raise ValueError(f"keep: unknown tiers {sorted(unknown)}; use ram, disk, remote")
         out.update(keep)
@@ -75,9 +88,11 @@ def _parse_keep(keep: int | Mapping[str, int | None] | None) -> dict[str, int | 
     return out
 
 
-def _info(
+def checkpoint_info(
     step: int, tier: str, path: Path, verify: bool, m: Manifest | None = None
 ) -> CheckpointInfo:
+    """The listing row of one committed copy (`path`: a step folder or a RAM slot), its
+    files hashed against the manifest when `verify`; an unreadable manifest is "corrupt"."""
     try:
         m = m or Source.open(tier, path).manifest
     except CheckpointError as e:

@@ -20,15 +20,15 @@ from typing import Any
 import fsspec
 import zstandard
 
+from prime_ckpt.errors import CorruptCheckpoint, ManifestError
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
-    ManifestError,
     parse_step_dirname,
     read_manifest,
     step_dirname,
 )
-from prime_ckpt.reader import CorruptCheckpoint
+from prime_ckpt.records import CheckpointInfo
 
 log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
@@ -272,3 +272,28 @@ class Uploader:
                     self.store.delete(s)
         except Exception as e:  # tidying is best effort; the upload itself succeeded
             log.warning("prime-ckpt: could not tidy %s: %s", self.store.url, e)
+
+
+def remote_listing(
+    store: RemoteStore, steps: list[int], uploader: Uploader | None
+) -> list[CheckpointInfo]:
+    """The `list()` rows of the remote tier: each committed step of `steps`, and the steps
+    the uploader (rank 0's) skipped or failed to upload."""
+    out = []
+    for s in steps:
+        try:
+            m = store.manifest(s)
+            size = sum(f.size for f in m.files.values())
+            out.append(CheckpointInfo(s, "remote", store.path(step_dirname(s)), size, "ok"))
+        except Exception as e:
+            out.append(CheckpointInfo(s, "remote", None, 0, "corrupt", False, str(e)))
+    if uploader is not None:
+        for s in sorted(uploader.skipped):
+            out.append(
+                CheckpointInfo(
+                    s, "remote", None, 0, "skipped", None, "a newer step was uploaded instead"
+                )
+            )
+        for s, msg in dict(uploader.failed).items():
+            out.append(CheckpointInfo(s, "remote", None, 0, "failed", False, msg))
+    return out

@@ -20,15 +20,9 @@ import msgpack
 import numpy as np
 import torch
 
+from prime_ckpt.errors import ManifestError
 from prime_ckpt.faults import fault
-from prime_ckpt.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ManifestError,
-    data_name,
-    meta_name,
-    read_manifest,
-)
+from prime_ckpt.manifest import MANIFEST_NAME, Manifest, data_name, meta_name, read_manifest
 from prime_ckpt.state import TensorItem, dtype_from_name
 
 OWNER = "owner.msgpack"

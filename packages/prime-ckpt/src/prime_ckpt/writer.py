@@ -19,6 +19,7 @@ from pathlib import Path
 
 import msgpack
 
+from prime_ckpt.errors import CommitError
 from prime_ckpt.faults import fault, injected_enospc
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
@@ -37,10 +38,6 @@ log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-
-
-class CommitError(RuntimeError):
-    """The disk copy of a checkpoint could not be committed."""
 
 
 def copy_hashed(src: Path, dst: Path | None, step: int, fault_point: str | None = None):
@@ -256,4 +253,4 @@ def disk_steps(disk_dir: Path) -> list[tuple[int, Manifest | None]]:
     return out
 
 
-__all__ = ["CommitError", "DiskCommitter", "copy_hashed", "disk_steps", "parse_step_dirname"]
+__all__ = ["DiskCommitter", "copy_hashed", "disk_steps", "parse_step_dirname"]

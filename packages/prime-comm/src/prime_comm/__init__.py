@@ -1,6 +1,6 @@
 """prime_comm: uint8 quantization kernels and a compressed all-reduce over torch.distributed."""
 
-from prime_comm.allreduce import AllReduceStats, all_reduce
+from prime_comm.allreduce import AllReduceStats, all_reduce, ring_bytes
 from prime_comm.errors import CollectiveAborted
 from prime_comm.quant import (
     BLOCK,
@@ -27,6 +27,7 @@ __all__ = [
     "encoded_nbytes",
     "get_num_threads",
     "quantize",
+    "ring_bytes",
     "set_buffer_cache_limit",
     "set_num_threads",
 ]

@@ -31,6 +31,14 @@ DEFAULT_PIECE = 1 << 18
 _ALIGN = 64  # slots start on cache lines (codebooks are read as float32)
 
 
+def ring_bytes(numel: int, world: int, bytes_per_elem: int = 4) -> int:
+    """Bytes one rank sends in an ideal ring all-reduce of `numel` elements over `world`
+    ranks: 2 (W - 1) / W of the tensor (reduce-scatter, then all-gather); 0 for W <= 1."""
+    if world <= 1:
+        return 0
+    return 2 * (world - 1) * bytes_per_elem * numel // world
+
+
 @dataclass(frozen=True)
 class AllReduceStats:
     """What one all_reduce moved and how long it took (this rank's view)."""
@@ -45,8 +53,7 @@ class AllReduceStats:
     @property
     def fp32_ring_bytes(self) -> int:
         """Bytes one rank sends in an ideal float32 ring all-reduce of the same tensor."""
-        w = self.world_size
-        return 0 if w <= 1 else 2 * (w - 1) * 4 * self.numel // w
+        return ring_bytes(self.numel, self.world_size)
 
 
 def all_reduce(
@@ -154,7 +161,7 @@ def _fp32_all_reduce(pg, flat: torch.Tensor, world: int, op: str, waiter: Waiter
     if op == "avg":
         buf.div_(world)
     flat.copy_(buf)
-    ring = 2 * (world - 1) * 4 * flat.numel() // world
+    ring = ring_bytes(flat.numel(), world)
     return ring, ring
 
 

@@ -91,6 +91,16 @@ class CoordinatorClient:
             self.check()
             raise
 
+    def leave(self) -> None:
+        """Tell the coordinator this node leaves the run. Best effort: over a lost connection
+        it does nothing, and the coordinator drops the node when its heartbeats stop."""
+        if self.failed:
+            return
+        try:
+            self.channel.send({"type": "leave"})
+        except OSError:
+            pass
+
     def request(
         self, msg: dict, timeout: float | None = None, what: str = "the coordinator"
     ) -> dict:

@@ -267,11 +267,7 @@ class ElasticDeviceMesh:
         self._closed = True
         if self._pg is not None:
             _RETIRED.append(self._pg)
-        try:
-            if not self._client.failed:
-                self._client.channel.send({"type": "leave"})
-        except OSError:
-            pass
+        self._client.leave()
         self._client.close()
         log.info("%s local rank %d left the run", self.node_id, self.local_rank)
 

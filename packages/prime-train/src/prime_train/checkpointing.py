@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_ckpt import CheckpointManager
-from prime_ckpt.manifest import committed_steps
 
 
 def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
@@ -99,8 +98,9 @@ class Checkpointer:
         self.manager.wait()
 
     def committed_steps(self) -> list[int]:
-        """Steps committed on disk in this node's folder (each is verified when loaded)."""
-        return committed_steps(self.disk_dir)
+        """Steps this rank holds committed in RAM, on disk or in the remote store (each copy is
+        verified when loaded, and a bad one falls back to the next tier)."""
+        return self.manager.committed_steps()
 
     def close(self) -> None:
         self.manager.close()

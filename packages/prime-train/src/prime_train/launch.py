@@ -11,7 +11,6 @@ after `grace` seconds, are killed.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import signal
@@ -25,17 +24,8 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from prime_train.lifetime import die_with_parent
 from prime_train.placement import NODE_ENV  # a node started with it never launches more
-
-
-def die_with_parent() -> None:
-    """Child-side set-up: a process group of its own (a terminal's Ctrl-C reaches only the
-    launcher) and SIGKILL when the parent dies (PR_SET_PDEATHSIG), so no rank outlives it."""
-    os.setpgid(0, 0)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the process-group kill on exit still applies
-        pass
 
 
 @dataclass

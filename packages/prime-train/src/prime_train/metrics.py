@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from prime_train.files import write_atomic
 
 
 class Log:
@@ -29,17 +29,6 @@ class Log:
         stream = self.stream or sys.stdout
         stream.write(f"{self.prefix} {msg}\n")
         stream.flush()
-
-
-def write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

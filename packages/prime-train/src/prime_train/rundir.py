@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_train.config import Config
-from prime_train.metrics import write_atomic
+from prime_train.files import write_atomic
 
 CONFIG_FILE = "config.json"
 

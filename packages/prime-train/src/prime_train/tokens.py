@@ -11,13 +11,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from prime_train.files import write_atomic
 
 BYTE_VOCAB_SIZE = 256 + 1  # every byte value, plus the end-of-document token
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]")
@@ -104,22 +104,6 @@ class TokenFiles:
     vocab_size: int
 
 
-def _write_aside(dest: Path, data: np.ndarray | bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if isinstance(data, bytes):
-                f.write(data)
-            else:
-                np.save(f, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def build_token_cache(
     pattern: str, tokenizer: ByteTokenizer | HFTokenizer, heldout_fraction: float, cache_dir: Path
 ) -> TokenFiles:
@@ -154,7 +138,7 @@ def build_token_cache(
             parts.append(ids)
             if tokenizer.eos_id is not None:
                 parts.append(np.array([tokenizer.eos_id], dtype=np.int64))
-        _write_aside(dest, np.concatenate(parts).astype(dtype))
+        write_atomic(dest, np.concatenate(parts).astype(dtype), fsync=True)
     info = {"tokenizer": tokenizer.name, "heldout": [str(f) for f in heldout_files]}
-    _write_aside(out / "files.json", json.dumps(info).encode())
+    write_atomic(out / "files.json", json.dumps(info), fsync=True)
     return TokenFiles(train, heldout, tokenizer.vocab_size)

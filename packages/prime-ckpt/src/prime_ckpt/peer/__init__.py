@@ -4,7 +4,7 @@ server = serve_directory(disk_dir, "127.0.0.1", token=...)   # on a donor
 step = fetch_from_peer([server.url], dest, token=...)         # on the joiner
 """
 
-from prime_ckpt.peer.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneError
+from prime_ckpt.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneError
 from prime_ckpt.peer.fetch import fetch_from_peer
 from prime_ckpt.peer.server import PeerServer, serve_directory
 

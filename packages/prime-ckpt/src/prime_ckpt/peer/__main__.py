@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from prime_ckpt.peer.errors import PeerError
+from prime_ckpt.errors import PeerError
 from prime_ckpt.peer.fetch import fetch_from_peer
 from prime_ckpt.peer.server import serve_directory
 

@@ -18,6 +18,8 @@ import threading
 import time
 from collections import OrderedDict
 
+from prime_ckpt.errors import PeerAuthError
+
 TOKEN_ENV = "PRIME_TOKEN"
 MAX_SKEW_S = 60.0
 H_TIME = "X-Prime-Time"
@@ -106,32 +108,34 @@ class Verifier:
         self._nonces = NonceCache(2 * max_skew_s)
 
     def check(self, method: str, path: str, headers) -> str:
-        """Return the request nonce, or raise AuthFailure naming the problem."""
+        """Return the request nonce, or raise PeerAuthError naming the problem."""
         ts, nonce, mac = headers.get(H_TIME), headers.get(H_NONCE), headers.get(H_AUTH)
         if not (ts and nonce and mac):
-            raise AuthFailure(
-                401,
+            raise PeerAuthError(
                 "unauthenticated request: missing X-Prime-Time/X-Prime-Nonce/X-Prime-Auth "
                 "headers (use prime_ckpt.fetch_from_peer with the run token)",
+                status=401,
             )
         rng = headers.get("Range", "")
         expect = _mac(self._token, method.upper(), path, rng, ts, nonce)
         if not hmac.compare_digest(expect, mac):
-            raise AuthFailure(
-                401,
+            raise PeerAuthError(
                 "authentication failed: bad signature (the fetcher's token differs from this "
                 "donor's PRIME_TOKEN)",
+                status=401,
             )
         try:
             skew = abs(time.time() - float(ts))
         except ValueError:
-            raise AuthFailure(401, f"authentication failed: malformed timestamp {ts!r}") from None
+            raise PeerAuthError(
+                f"authentication failed: malformed timestamp {ts!r}", status=401
+            ) from None
         if skew > self._skew:
-            raise AuthFailure(
-                403,
+            raise PeerAuthError(
                 f"stale request: timestamp is {skew:.0f}s away from the donor's clock (limit "
                 f"{self._skew:.0f}s); synchronise the clocks (NTP) or this is a replay",
+                status=403,
             )
         if len(nonce) > 128 or not self._nonces.add(nonce):
-            raise AuthFailure(403, "replayed request: this nonce was already used")
+            raise PeerAuthError("replayed request: this nonce was already used", status=403)
         return nonce

@@ -4,7 +4,7 @@ Verification hashes every file, so it runs on one background thread and its resu
 bad) is cached per step under a key made of the manifest digest and every file's (size, mtime,
 inode): a step is re-hashed only when one of its files changed. An index request waits for it
 at most a budget of seconds; meanwhile an older verified step is offered, or, when there is
-none, `Busy` (HTTP 503, the fetcher retries). Folders not named exactly `step-<10 digits>`
+none, `PeerBusy` (HTTP 503, the fetcher retries). Folders not named exactly `step-<10 digits>`
 (temporary or torn writes) are never looked at.
 """
 
@@ -20,10 +20,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_ckpt.errors import ManifestError, PeerBusy, PeerGone, PeerRefused
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
-    ManifestError,
     parse_step_dirname,
     step_dirname,
     write_lease,
@@ -33,27 +33,16 @@ log = logging.getLogger("prime_ckpt.peer")
 _HASH_CHUNK = 8 << 20
 
 
-class Gone(Exception):
-    """The pinned step or digest is no longer on this donor (answered with 410)."""
-
-
-class Busy(Exception):
-    """The newest step is still being verified and no older one is (answered with 503)."""
-
-
-class Refused(Exception):
-    """A path outside the checkpoint or not in its manifest (answered with 403/404)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass(frozen=True)
 class Offer:
+    """A checkpoint a donor offers: its step, the manifest (bytes and parsed) and the
+    manifest's digest; `url` names the donor on the fetcher's side ("" on the donor)."""
+
     step: int
     digest: str
     manifest_bytes: bytes
+    manifest: Manifest
+    url: str = ""
 
 
 def safe_relpath(name: str) -> bool:
@@ -91,12 +80,12 @@ class Catalog:
         return sorted(steps, reverse=True)
 
     def manifest(self, step: int) -> tuple[bytes, str]:
-        """Manifest bytes and digest of `step`; Gone if the folder or manifest is missing."""
+        """Manifest bytes and digest of `step`; PeerGone if the folder or manifest is missing."""
         p = self.root / step_dirname(step) / MANIFEST_NAME
         try:
             st = p.stat()
         except FileNotFoundError:
-            raise Gone(
+            raise PeerGone(
                 f"step {step} is no longer on this donor (pruned or never committed)"
             ) from None
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -106,7 +95,7 @@ class Catalog:
         try:
             data = p.read_bytes()
         except FileNotFoundError:
-            raise Gone(f"step {step} is no longer on this donor (pruned)") from None
+            raise PeerGone(f"step {step} is no longer on this donor (pruned)") from None
         digest = hashlib.sha256(data).hexdigest()
         self._manifests[step] = (key, data, digest)
         return data, digest
@@ -125,7 +114,7 @@ class Catalog:
 
     def newest(self, budget_s: float = 5.0) -> Offer | None:
         """The newest committed step whose files verify, waiting at most `budget_s` for a
-        verification; None if there is no candidate, Busy if one is still being verified."""
+        verification; None if there is no candidate, PeerBusy if one is still being verified."""
         deadline = time.monotonic() + budget_s
         pending = None
         for step in self._steps():
@@ -133,7 +122,7 @@ class Catalog:
             try:
                 data, digest = self.manifest(step)
                 manifest = Manifest.from_bytes(data)
-            except (Gone, ManifestError):
+            except (PeerGone, ManifestError):
                 continue
             if manifest.step != step:
                 continue
@@ -143,11 +132,11 @@ class Catalog:
             # Only the newest unknown step is hashed; older ones are offered if already known.
             ok = self._verified(step, key, manifest, deadline, start=pending is None)
             if ok:
-                return Offer(step, digest, data)
+                return Offer(step, digest, data, manifest)
             if ok is None and pending is None:
                 pending = step
         if pending is not None:
-            raise Busy(f"step {pending} is still being verified on this donor; retry shortly")
+            raise PeerBusy(f"step {pending} is still being verified on this donor; retry shortly")
         return None
 
     def _verified(
@@ -202,20 +191,20 @@ class Catalog:
         """The path and size of file `name` of the pinned (step, digest)."""
         data, have = self.manifest(step)
         if have != digest:
-            raise Gone(
+            raise PeerGone(
                 f"step {step} on this donor now has manifest digest {have[:16]}..., not the "
                 f"pinned {digest[:16]}...; start a new transfer"
             )
         manifest = Manifest.from_bytes(data)
         entry = manifest.files.get(name)
         if entry is None or not safe_relpath(name):
-            raise Refused(404, f"{name!r} is not a file of checkpoint step {step}")
+            raise PeerRefused(404, f"{name!r} is not a file of checkpoint step {step}")
         step_dir = (self.root / step_dirname(step)).resolve()
         path = (step_dir / name).resolve()
         if not path.is_relative_to(step_dir):  # a symlink pointing out of the checkpoint
-            raise Refused(403, f"{name!r} resolves outside the checkpoint folder; refused")
+            raise PeerRefused(403, f"{name!r} resolves outside the checkpoint folder; refused")
         if not path.is_file():
-            raise Gone(f"{name!r} of step {step} is no longer on this donor (pruned)")
+            raise PeerGone(f"{name!r} of step {step} is no longer on this donor (pruned)")
         return path, entry.size
 
     def hold(self, step: int) -> None:

@@ -6,40 +6,16 @@ import hashlib
 import http.client
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
 import msgpack
 
-from prime_ckpt.manifest import Manifest, ManifestError
+from prime_ckpt.errors import ManifestError, PeerAuthError, PeerBusy, PeerFailed, PeerGone
+from prime_ckpt.manifest import Manifest
 from prime_ckpt.peer.auth import H_NONCE, H_RESP_AUTH, check_response, sign_request
-from prime_ckpt.peer.catalog import safe_relpath
-from prime_ckpt.peer.errors import PeerAuthError
+from prime_ckpt.peer.catalog import Offer, safe_relpath
 
 _READ = 1 << 20
-
-
-class PeerFailed(Exception):
-    """This donor failed one request (transport error, bad answer); others may still serve."""
-
-
-class PeerBusy(PeerFailed):
-    """The donor is still verifying its newest checkpoint (HTTP 503); ask again shortly."""
-
-
-class PeerGone(PeerFailed):
-    """This donor no longer has the pinned step and digest (HTTP 410)."""
-
-
-@dataclass(frozen=True)
-class Offer:
-    """What one donor offers: its newest step, the manifest and the manifest's digest."""
-
-    url: str
-    step: int
-    digest: str
-    manifest_bytes: bytes
-    manifest: Manifest
 
 
 def normalize_url(url: str) -> str:
@@ -133,7 +109,7 @@ class Connection:
         bad = [n for n in manifest.files if not safe_relpath(n)]
         if bad:
             raise PeerFailed(f"{self.url}: manifest lists unsafe paths {bad[:3]}; refused")
-        return Offer(self.url, step, digest, mbytes, manifest)
+        return Offer(step, digest, mbytes, manifest, self.url)
 
     def read_range(
         self,

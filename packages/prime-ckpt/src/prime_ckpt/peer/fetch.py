@@ -18,9 +18,16 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from prime_ckpt.errors import (
+    ManifestError,
+    NoPeerError,
+    PeerAuthError,
+    PeerBusy,
+    PeerError,
+    PeerFailed,
+)
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
-    ManifestError,
     fsync_dir,
     read_manifest,
     sha256_file,
@@ -28,8 +35,8 @@ from prime_ckpt.manifest import (
     verify_dir,
 )
 from prime_ckpt.peer.auth import resolve_token
-from prime_ckpt.peer.client import Connection, Offer, PeerBusy, PeerFailed, normalize_url
-from prime_ckpt.peer.errors import NoPeerError, PeerAuthError, PeerError
+from prime_ckpt.peer.catalog import Offer
+from prime_ckpt.peer.client import Connection, normalize_url
 from prime_ckpt.peer.transfer import JOURNAL, Download
 
 log = logging.getLogger("prime_ckpt.peer")

@@ -23,8 +23,9 @@ from urllib.parse import unquote
 
 import msgpack
 
-from prime_ckpt.peer.auth import H_RESP_AUTH, AuthFailure, Verifier, resolve_token, sign_response
-from prime_ckpt.peer.catalog import Busy, Catalog, Gone, Refused
+from prime_ckpt.errors import PeerAuthError, PeerBusy, PeerGone, PeerRefused
+from prime_ckpt.peer.auth import H_RESP_AUTH, Verifier, resolve_token, sign_response
+from prime_ckpt.peer.catalog import Catalog
 
 log = logging.getLogger("prime_ckpt.peer")
 
@@ -34,7 +35,7 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _PIECE = 256 << 10
 
 
-class _RateLimit:
+class RateLimit:
     """A token bucket shared by all connections (keeps a donor's uplink usable for training)."""
 
     def __init__(self, bytes_per_s: float, closing: threading.Event) -> None:
@@ -90,8 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         peer: PeerServer = self.server.peer
         try:
-            nonce = peer._verifier.check("GET", self.path, self.headers)
-        except AuthFailure as e:
+            nonce = peer.authenticate("GET", self.path, self.headers)
+        except PeerAuthError as e:
             log.warning("refused %s from %s: %s", self.path, self.client_address[0], e)
             return self._text(e.status, str(e))
         try:
@@ -104,16 +105,16 @@ class _Handler(BaseHTTPRequestHandler):
             path, size = peer.catalog.resolve(step, digest, name)
             peer.catalog.hold(step)  # renew the lease while the transfer goes on
             self._send_file(peer, path, size)
-        except Gone as e:
+        except PeerGone as e:
             self._text(410, str(e))
-        except Refused as e:
+        except PeerRefused as e:
             log.warning("refused %s from %s: %s", self.path, self.client_address[0], e)
             self._text(e.status, str(e))
 
     def _index(self, peer: PeerServer, nonce: str) -> None:
         try:
             offer = peer.catalog.newest(peer.index_budget_s)
-        except Busy as e:
+        except PeerBusy as e:
             return self._text(503, str(e), {"Retry-After": "1"})
         if offer is None:
             return self._text(404, f"no committed checkpoint that verifies in {peer.disk_dir}")
@@ -125,7 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "application/msgpack")
         self.send_header("Content-Length", str(len(body)))
-        self.send_header(H_RESP_AUTH, sign_response(peer._token, nonce, body))
+        self.send_header(H_RESP_AUTH, peer.sign(nonce, body))
         self.end_headers()
         self.wfile.write(body)
 
@@ -149,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
                 )
         with open(path, "rb") as f:
             if f.seek(0, 2) != size:
-                raise Gone(f"{path.name} changed size on this donor; start a new transfer")
+                raise PeerGone(f"{path.name} changed size on this donor; start a new transfer")
             self.send_response(206 if rng else 200)
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(end - start))
@@ -159,9 +160,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._copy(peer, f, start, end - start)
 
     def _copy(self, peer: PeerServer, f, offset: int, count: int) -> None:
-        if peer._limit is None:
+        if peer.rate_limit is None:
             sent = self.connection.sendfile(f, offset, count) if count else 0
-            peer._count(sent)
+            peer.count_sent(sent)
             if sent != count:  # the file shrank: close, rather than leave the reader waiting
                 raise ConnectionAbortedError("file shrank while being served")
             return
@@ -170,9 +171,9 @@ class _Handler(BaseHTTPRequestHandler):
             piece = f.read(min(_PIECE, count))
             if not piece:
                 raise ConnectionAbortedError("file shrank while being served")
-            peer._limit.take(len(piece))
+            peer.rate_limit.take(len(piece))
             self.connection.sendall(piece)
-            peer._count(len(piece))
+            peer.count_sent(len(piece))
             count -= len(piece)
 
 
@@ -248,7 +249,7 @@ class PeerServer:
         self.index_budget_s = 5.0  # how long an index request waits for a verification
         self._verifier = Verifier(self._token)
         self._closing = threading.Event()
-        self._limit = _RateLimit(max_bytes_per_s, self._closing) if max_bytes_per_s else None
+        self.rate_limit = RateLimit(max_bytes_per_s, self._closing) if max_bytes_per_s else None
         self._sent = 0
         self._sent_lock = threading.Lock()
         cls = _HTTPServer6 if ":" in host else _HTTPServer
@@ -259,7 +260,7 @@ class PeerServer:
             raise OSError(f"cannot serve checkpoints on {host}:{port}: {e}") from e
         try:
             self.catalog.newest(0.0)  # start verifying the newest step before anyone asks
-        except Busy:
+        except PeerBusy:
             pass
         self._httpd.peer = self
         self.port = self._httpd.server_address[1]
@@ -281,9 +282,19 @@ class PeerServer:
         """File bytes sent so far (all connections)."""
         return self._sent
 
-    def _count(self, n: int) -> None:
+    def count_sent(self, n: int) -> None:
+        """Add `n` file bytes to `bytes_sent` (called by the connection handlers)."""
         with self._sent_lock:
             self._sent += n
+
+    def authenticate(self, method: str, path: str, headers) -> str:
+        """The nonce of a request that passes authentication; PeerAuthError (with the HTTP
+        status to answer) if it does not."""
+        return self._verifier.check(method, path, headers)
+
+    def sign(self, nonce: str, body: bytes) -> str:
+        """The signature of a response body to the request with `nonce`."""
+        return sign_response(self._token, nonce, body)
 
     def close(self) -> None:
         """Stop accepting, cut open transfers, and join every thread (idempotent)."""

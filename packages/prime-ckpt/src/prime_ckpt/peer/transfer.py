@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from prime_ckpt.errors import PeerAuthError, PeerError, PeerFailed, PeerGone, PeerGoneError
 from prime_ckpt.manifest import Manifest
-from prime_ckpt.peer.client import Connection, PeerFailed, PeerGone
-from prime_ckpt.peer.errors import PeerAuthError, PeerError, PeerGoneError
+from prime_ckpt.peer.client import Connection
 
 log = logging.getLogger("prime_ckpt.peer")
 
@@ -148,6 +148,7 @@ class _Donors:
 
     def __init__(self, urls: list[str]) -> None:
         self._alive = list(urls)
+        self.count = len(urls)  # donors at the start
         self._strikes = dict.fromkeys(urls, 0)
         self.dropped: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -274,7 +275,7 @@ class Download:
 
     def _work(self, slot: int, todo: _Todo, fds: dict[str, int]) -> None:
         conn: Connection | None = None
-        max_tries = 2 * _STRIKES * len(self.donors._strikes) + 2
+        max_tries = 2 * _STRIKES * self.donors.count + 2
         try:
             while not self._finished():
                 chunk = todo.take()

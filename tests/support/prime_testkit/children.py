@@ -1,4 +1,4 @@
-"""Helpers shared by every test folder: free ports and child processes that never outlive a test.
+"""Child processes that never outlive a test, free ports, and bounded waits.
 
 Children are started in their own process group with PR_SET_PDEATHSIG, so they die with the
 test process even if pytest itself is killed, and `Children.kill_all()` (run by the `children`
@@ -7,7 +7,6 @@ fixture on teardown) SIGKILLs every group and reaps it.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
 import inspect
@@ -21,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
+from prime_train.lifetime import die_with_parent
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,27 +30,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (call in the child)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: the process-group kill on teardown still applies
-        pass
-
-
-def _child_preexec() -> None:
-    os.setpgid(0, 0)
-    die_with_parent()
-
-
 def _target_spec(target: Callable[..., Any]) -> tuple[str, str, str]:
     # Test modules are imported with --import-mode=importlib under names a spawned child cannot
     # import, so the child loads the target's file itself.
     return (target.__module__, inspect.getfile(target), target.__qualname__)
 
 
-def _load_target(spec: tuple[str, str, str]) -> Callable[..., Any]:
+def load_target(spec: tuple[str, str, str]) -> Callable[..., Any]:
     module_name, path, qualname = spec
     try:
         module = importlib.import_module(module_name)
@@ -69,9 +54,8 @@ def _load_target(spec: tuple[str, str, str]) -> Callable[..., Any]:
 
 
 def _mp_entry(spec: tuple[str, str, str], args: tuple, kwargs: dict) -> None:
-    os.setpgid(0, 0)
     die_with_parent()
-    _load_target(spec)(*args, **kwargs)
+    load_target(spec)(*args, **kwargs)
 
 
 class Children:
@@ -84,7 +68,7 @@ class Children:
 
     def popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """subprocess.Popen in a new process group that dies with this process."""
-        p = subprocess.Popen(list(args), preexec_fn=_child_preexec, **kwargs)
+        p = subprocess.Popen(list(args), preexec_fn=die_with_parent, **kwargs)
         self.popens.append(p)
         return p
 

@@ -1,0 +1,44 @@
+"""A gloo world on 127.0.0.1 for tests: the one place that does TCPStore + init_process_group.
+
+Every wait is bounded by `timeout` (rendezvous and collectives), so a rank whose peers never
+arrive fails with an error instead of hanging the test.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = 60.0
+
+
+def gloo_world(
+    rank: int,
+    world: int,
+    port: int,
+    host: str = "127.0.0.1",
+    timeout: float = DEFAULT_TIMEOUT,
+    host_store: bool | None = None,
+) -> dist.TCPStore:
+    """Join a `world`-rank gloo default process group as `rank` through the TCPStore at
+    host:port, and return the store. Rank 0 hosts the store unless `host_store` says
+    otherwise (False: the test process hosts it, see RankPool)."""
+    is_master = rank == 0 if host_store is None else host_store
+    td = timedelta(seconds=timeout)
+    store = dist.TCPStore(
+        host, port, world, is_master=is_master, timeout=td, wait_for_workers=False
+    )
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("world", store), rank=rank, world_size=world, timeout=td
+    )
+    return store
+
+
+def gloo_group(
+    store: dist.Store, name: str, rank: int, world: int, timeout: float = DEFAULT_TIMEOUT
+) -> dist.ProcessGroupGloo:
+    """A fresh gloo group of `world` ranks under its own store prefix `name` (not registered
+    with torch.distributed: pass it as `group=` to the code under test)."""
+    prefixed = dist.PrefixStore(name, store)
+    return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout))
