@@ -47,6 +47,11 @@ class ModelConfig(Section):
     vocab_size: int | None = Field(
         None, ge=2, description="override the preset's vocabulary (debug: the tokenizer's)"
     )
+    init_from: Path | None = Field(
+        None,
+        description="start from a Hugging Face Llama folder (config.json + safetensors); "
+        "its config.json gives the shape",
+    )
 
 
 class DataConfig(Section):
@@ -185,6 +190,10 @@ class Config(Section):
         d = self.saved()
         d["run"].pop("log_every")
         d.pop("mesh")
+        if self.model.init_from is not None:  # the weights, wherever the folder lives
+            from prime_train.hf_import import weights_digest
+
+            d["model"]["init_from"] = "sha256:" + weights_digest(self.model.init_from)
         return d
 
     def fingerprint_hash(self) -> str:

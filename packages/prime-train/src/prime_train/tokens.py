@@ -36,6 +36,9 @@ class ByteTokenizer:
     def encode_file(self, path: Path) -> np.ndarray:
         return np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int64)
 
+    def encode_text(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
@@ -60,11 +63,16 @@ class HFTokenizer:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self.name = f"hf-{digest}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        ids = [self._tok.token_to_id(t) for t in _EOS_NAMES]
-        self.eos_id = next((i for i in ids if i is not None), None)
+        self.path = path
+        found = [(t, self._tok.token_to_id(t)) for t in _EOS_NAMES]
+        self.eos_token, self.eos_id = next(
+            ((t, i) for t, i in found if i is not None), (None, None)
+        )
 
     def encode_file(self, path: Path) -> np.ndarray:
-        text = path.read_bytes().decode("utf-8", errors="replace")
+        return self.encode_text(path.read_bytes().decode("utf-8", errors="replace"))
+
+    def encode_text(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def decode(self, ids: list[int]) -> str:
