@@ -1,36 +1,66 @@
-"""The training and held-out sequences of a run, from its `[data]` settings."""
+"""The training and held-out sequences of a run, from its `[data]` settings.
+
+Each rank tokenizes only its own data slot (node x rank) into the token cache and trains on
+it (see token_cache.py); a corpus with fewer training parts than slots is shared whole and
+sharded by sequence instead. Ranks of a node agree on failure, so a bad file stops them all.
+"""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
+import torch
 import torch.distributed as dist
 
 from prime_train.config import Config
 from prime_train.data import Sequences, SyntheticSequences, TokenSequences
-from prime_train.tokens import ByteTokenizer, DataError, HFTokenizer, build_token_cache
+from prime_train.token_cache import CorpusSpec, build_slot_tokens
+from prime_train.tokens import DataError
 
 
-def open_datasets(
-    cfg: Config, placement, tokenizer: ByteTokenizer | HFTokenizer | None, vocab_size: int
-) -> tuple[Sequences, Sequences]:
-    """(train, held-out) sequences; `tokenizer` is None for synthetic data."""
+@dataclass(frozen=True)
+class RunData:
+    """Training sequences (the loader takes shard `shard` of `num_shards` of them) and the
+    held-out sequences, the same on every node."""
+
+    train: Sequences
+    heldout: Sequences
+    shard: int
+    num_shards: int
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def open_datasets(cfg: Config, placement, vocab_size: int) -> RunData:
+    """This rank's data: synthetic, or its slot of the tokenized corpus."""
     seq = cfg.data.seq_len
-    if tokenizer is None:
-        return (
+    slots = placement.num_nodes * placement.world_size
+    slot = placement.node * placement.world_size + placement.rank
+    if cfg.data.source == "synthetic":
+        return RunData(
             SyntheticSequences(vocab_size, seq, cfg.run.seed),
             SyntheticSequences(vocab_size, seq, cfg.run.seed + 10**6),
+            slot,
+            slots,
         )
-    cache = cfg.data.cache_dir or cfg.run.runs_dir / ".token-cache"
-    # rank 0 tokenizes, the others then find the cache ready (or meet the same error)
-    files, error = None, None
-    if placement.rank == 0:
-        try:
-            files = build_token_cache(cfg.data.path, tokenizer, cfg.data.heldout_fraction, cache)
-        except DataError as e:
-            error = e
-    if placement.world_size > 1:
-        dist.barrier(group=placement.group)
+    d = cfg.data
+    spec = CorpusSpec(d.path, d.source, d.text_field, d.tokenizer, d.heldout_fraction)
+    cache = d.cache_dir or cfg.run.runs_dir / ".token-cache"
+    workers = default_workers() if d.workers is None else d.workers
+    tokens, error = None, None
+    try:
+        tokens = build_slot_tokens(spec, cache, slot, slots, workers)
+    except DataError as e:
+        error = e
+    if placement.world_size > 1:  # one rank's bad file stops the node's other ranks too
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=placement.group)
+        if failed.item() and error is None:
+            error = DataError("another rank of this node could not read its data (see its error)")
     if error is not None:
         raise error
-    if files is None:
-        files = build_token_cache(cfg.data.path, tokenizer, cfg.data.heldout_fraction, cache)
-    return TokenSequences(files.train, seq), TokenSequences(files.heldout, seq)
+    train, held = TokenSequences(tokens.train, seq), TokenSequences(tokens.heldout, seq)
+    return RunData(train, held, slot, slots) if tokens.shared else RunData(train, held, 0, 1)

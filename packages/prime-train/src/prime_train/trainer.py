@@ -50,12 +50,10 @@ class Run:
         self.primary = placement.rank == 0
         self.run_dir = claim_run_dir(cfg, write=self.primary and placement.node == 0)
         self.device = placement.device
-        shards = placement.num_nodes * placement.world_size
-        shard = placement.node * placement.world_size + placement.rank
-
         tokenizer = None if cfg.data.source == "synthetic" else make_tokenizer(cfg.data.tokenizer)
         args = run_model_args(cfg, tokenizer.vocab_size if tokenizer else None)
-        train_seqs, held_seqs = open_datasets(cfg, placement, tokenizer, args.vocab_size)
+        data = open_datasets(cfg, placement, args.vocab_size)
+        train_seqs, held_seqs = data.train, data.heldout
         with torch.device("meta"):
             self.model = Transformer(args)
         self.bf16 = build_model(self.model, placement, cfg.train, seed=cfg.run.seed)
@@ -67,7 +65,12 @@ class Run:
         B = cfg.train.batch_size
         # synthetic sequences are already random: no permutation of their 2**30 indices
         self.loader = ShardedLoader(
-            train_seqs, B, shard, shards, seed=cfg.run.seed, shuffle=cfg.data.source != "synthetic"
+            train_seqs,
+            B,
+            data.shard,
+            data.num_shards,
+            seed=cfg.run.seed,
+            shuffle=cfg.data.source != "synthetic",
         )
         self.eval_set = eval_batches(
             held_seqs, B, cfg.eval.batches, placement.rank, placement.world_size
