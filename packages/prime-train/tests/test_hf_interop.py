@@ -302,3 +302,45 @@ def test_init_from_config_errors_are_one_clear_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert expect in err and err.startswith("prime-train: "), err
         assert len(err.strip().splitlines()) == 1, err
+
+
+def readme_commands(heading: str) -> list[str]:
+    text = (REPO / "packages" / "prime-train" / "README.md").read_text()
+    block = text.split(heading, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_readme_interop_commands(tmp_path):
+    """The README's interop commands, run as written (`uv run X` runs X from this venv) in a
+    folder holding the repo's configs and a small parquet corpus in data/."""
+    import shlex
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    (tmp_path / "data").mkdir()
+    for i in range(4):
+        texts = [
+            f"row {i}-{j}: " + "def f(x):\n    return x + 1\n" * (5 + j % 9) for j in range(200)
+        ]
+        pq.write_table(
+            pa.table({"text": texts}), tmp_path / "data" / f"{i}.parquet", row_group_size=50
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    outputs = []
+    for line in readme_commands("## Interop: Hugging Face models and datasets"):
+        argv = shlex.split(line)
+        assert argv[:2] == ["uv", "run"], line
+        r = subprocess.run(
+            argv[2:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert r.returncode == 0, line + "\n" + r.stdout[-2000:] + r.stderr[-3000:]
+        outputs.append(r.stdout)
+    assert "done: 20/20 steps" in outputs[0]
+    assert "exported step 20 (21 tensors)" in outputs[1]
+    assert int(outputs[2].strip().splitlines()[-1]) > 400_000  # the debug model's 0.44M
+    assert "done: 20/20 steps" in outputs[3] and (tmp_path / "runs/cont/ckpt").is_dir()
+    assert "done: 20/20 steps" in outputs[4]
