@@ -359,6 +359,7 @@ def test_sharded_and_multi_node_checkpoints_export_the_same_model(exported, tmp_
     root, _, hf = exported
     corpus, tok = root / "corpus", root / "tokenizer.json"
     argv = tiny_run_args(tmp_path, tok, corpus, "ranks", 2, "--model.init_from", str(hf))
+    argv += ["--data.heldout_fraction", "0.3"]  # held-out batches for 2 ranks
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "prime_train.cli"]
