@@ -181,6 +181,7 @@ def test_sharded_export_and_bad_input(exported, caplog, capsys):
     with torch.no_grad():
         assert torch.equal(model(tokens).logits, load_hf(hf, caplog)(tokens).logits)
 
+    capsys.readouterr()  # transformers' progress bars
     for argv, expect in [
         ([root / "nope", "--out", root / "x"], "has no config.json"),
         ([run_dir, "--out", hf], "exists and is not empty"),
