@@ -201,7 +201,7 @@ def test_tokenizes_a_corpus_several_times_larger_than_its_peak_memory(tmp_path):
     d.mkdir()
     table = pa.table({"text": texts})
     per_file = sum(len(t) for t in texts)
-    n_files = -(-(1200 * 2**20) // per_file)  # 1.2 GB of text
+    n_files = -(-(2000 * 2**20) // per_file)  # 2 GB of text
     for i in range(n_files):
         pq.write_table(table, d / f"{i:04d}.parquet", row_group_size=500, compression="none")
     corpus_bytes = per_file * n_files
@@ -217,4 +217,5 @@ def test_tokenizes_a_corpus_several_times_larger_than_its_peak_memory(tmp_path):
     m = json.loads(r.stdout.strip().splitlines()[-1])
     peak = m["self"] + 2 * m["child"]
     assert m["tokens"] > 0.9 * corpus_bytes  # byte tokens: (nearly) all of it, minus held-out
-    assert corpus_bytes > 3 * peak, (corpus_bytes, m)
+    print(f"corpus {corpus_bytes / 2**20:.0f} MB, peak RSS {peak / 2**20:.0f} MB ({m})")
+    assert corpus_bytes > 4 * peak, (corpus_bytes, m)
