@@ -34,11 +34,12 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def open_datasets(cfg: Config, placement, vocab_size: int) -> RunData:
-    """This rank's data: synthetic, or its slot of the tokenized corpus."""
+def open_datasets(
+    cfg: Config, vocab_size: int, slot: int, slots: int, group: dist.ProcessGroup | None = None
+) -> RunData:
+    """This rank's data: synthetic, or its slot (`node * ranks + rank` of `nodes * ranks`) of
+    the tokenized corpus. `group`: the node's ranks, which fail together on bad data."""
     seq = cfg.data.seq_len
-    slots = placement.num_nodes * placement.world_size
-    slot = placement.node * placement.world_size + placement.rank
     if cfg.data.source == "synthetic":
         return RunData(
             SyntheticSequences(vocab_size, seq, cfg.run.seed),
@@ -55,9 +56,9 @@ def open_datasets(cfg: Config, placement, vocab_size: int) -> RunData:
         tokens = build_slot_tokens(spec, cache, slot, slots, workers)
     except DataError as e:
         error = e
-    if placement.world_size > 1:  # one rank's bad file stops the node's other ranks too
+    if group is not None:  # one rank's bad file stops the node's other ranks too
         failed = torch.tensor([error is not None], dtype=torch.int32)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=placement.group)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
         if failed.item() and error is None:
             error = DataError("another rank of this node could not read its data (see its error)")
     if error is not None:

@@ -52,7 +52,10 @@ class Run:
         self.device = placement.device
         tokenizer = None if cfg.data.source == "synthetic" else make_tokenizer(cfg.data.tokenizer)
         args = run_model_args(cfg, tokenizer.vocab_size if tokenizer else None)
-        data = open_datasets(cfg, placement, args.vocab_size)
+        slot = placement.node * placement.world_size + placement.rank
+        slots = placement.num_nodes * placement.world_size
+        group = placement.group if placement.world_size > 1 else None
+        data = open_datasets(cfg, args.vocab_size, slot, slots, group)
         train_seqs, held_seqs = data.train, data.heldout
         with torch.device("meta"):
             self.model = Transformer(args)
