@@ -8,14 +8,16 @@ import numpy as np
 import pytest
 import torch
 
+from prime_train.corpus import resolve_files
 from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
-from prime_train.tokens import (
-    ByteTokenizer,
-    DataError,
-    build_token_cache,
-    make_tokenizer,
-    resolve_files,
-)
+from prime_train.token_cache import CorpusSpec, build_slot_tokens
+from prime_train.tokens import ByteTokenizer, DataError, make_tokenizer
+
+
+def build_token_cache(path, tokenizer, fraction, cache_dir):
+    """The whole corpus as one slot, tokenized in this process."""
+    spec = CorpusSpec(str(path), "text", "text", tokenizer, fraction)
+    return build_slot_tokens(spec, cache_dir, 0, 1, workers=0)
 
 
 @pytest.fixture
@@ -31,10 +33,10 @@ def corpus(tmp_path):
 
 def test_byte_cache_round_trip_and_heldout_split(corpus, tmp_path):
     tok = ByteTokenizer()
-    files = build_token_cache(str(corpus), tok, 0.2, tmp_path / "cache")
+    files = build_token_cache(str(corpus), "byte", 0.2, tmp_path / "cache")
     train = np.load(files.train, mmap_mode="r")
     held = np.load(files.heldout, mmap_mode="r")
-    assert train.dtype == np.uint16 and files.vocab_size == 257
+    assert train.dtype == np.uint16 and not files.shared
     docs = [
         tok.decode(list(map(int, chunk)))
         for chunk in np.split(np.asarray(held), np.flatnonzero(np.asarray(held) == tok.eos_id) + 1)
@@ -47,12 +49,12 @@ def test_byte_cache_round_trip_and_heldout_split(corpus, tmp_path):
     assert n_docs == 30
     # cached: a second build returns the same files without rewriting them
     mtime = files.train.stat().st_mtime_ns
-    again = build_token_cache(str(corpus), tok, 0.2, tmp_path / "cache")
+    again = build_token_cache(str(corpus), "byte", 0.2, tmp_path / "cache")
     assert again == files and files.train.stat().st_mtime_ns == mtime
     assert not [p for p in files.train.parent.iterdir() if p.name.endswith(".tmp")]
     # a changed file invalidates the cache key
     (corpus / "doc00.txt").write_text("changed")
-    assert build_token_cache(str(corpus), tok, 0.2, tmp_path / "cache").train != files.train
+    assert build_token_cache(str(corpus), "byte", 0.2, tmp_path / "cache").train != files.train
 
 
 def test_glob_and_stdlib(corpus):
@@ -76,7 +78,7 @@ def test_hf_tokenizer(corpus, tmp_path):
     tk.save(str(path))
     tok = make_tokenizer(str(path))
     assert tok.eos_id == 1 and tok.vocab_size <= 120
-    files = build_token_cache(str(corpus), tok, 0.2, tmp_path / "cache")
+    files = build_token_cache(str(corpus), str(path), 0.2, tmp_path / "cache")
     ids = np.load(files.train)
     assert ids.max() < tok.vocab_size and "quick brown fox" in tok.decode(list(map(int, ids[:40])))
     with pytest.raises(DataError, match="tokenizer file not found"):
@@ -170,9 +172,7 @@ def test_concurrent_builders_leave_one_complete_cache(corpus, tmp_path):
 
     ctx = mp.get_context("fork")
     procs = [
-        ctx.Process(
-            target=build_token_cache, args=(str(corpus), ByteTokenizer(), 0.2, tmp_path / "cache")
-        )
+        ctx.Process(target=build_token_cache, args=(str(corpus), "byte", 0.2, tmp_path / "cache"))
         for _ in range(3)
     ]
     for p in procs:
@@ -180,6 +180,6 @@ def test_concurrent_builders_leave_one_complete_cache(corpus, tmp_path):
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    files = build_token_cache(str(corpus), ByteTokenizer(), 0.2, tmp_path / "cache")
+    files = build_token_cache(str(corpus), "byte", 0.2, tmp_path / "cache")
     assert np.load(files.train).size > 0
     assert not [p for p in os.listdir(files.train.parent) if p.endswith(".tmp")]

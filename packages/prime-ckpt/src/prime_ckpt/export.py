@@ -1,4 +1,5 @@
-"""Consolidated weights for use outside Prime: safetensors or a plain torch state dict.
+"""Consolidated weights for use outside Prime: safetensors (via the `safetensors` package)
+or a plain torch state dict.
 
 Shards of every rank are assembled into full tensors (the same resharding path as loading
 onto one rank), so a checkpoint saved by FSDP2 on W ranks exports as ordinary tensors.
@@ -6,29 +7,12 @@ onto one rank), so a checkpoint saved by FSDP2 on W ranks exports as ordinary te
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from prime_ckpt.reader import Source, apply_plan, plan_load
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
 
 
 def consolidate(step_dir: Path) -> tuple[int, dict]:
@@ -56,31 +40,14 @@ def flat_tensors(node: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 def write_safetensors(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
 ) -> None:
-    """The safetensors layout: u64 header length, JSON header, then the raw bytes in order."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    pos = 0
-    blobs = []
-    for name, t in tensors.items():
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise TypeError(
-                f"{name}: dtype {t.dtype} has no safetensors code; export with --format torch"
-            )
-        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [pos, pos + len(data)],
-        }
-        pos += len(data)
-        blobs.append(data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    """`tensors` as one safetensors file, written aside and renamed into place."""
+    from safetensors.torch import save_file
+
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for b in blobs:
-            f.write(b)
+    try:
+        save_file({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, tmp, metadata)
+    except (ValueError, TypeError) as e:  # e.g. a dtype safetensors has no code for
+        raise TypeError(f"cannot write safetensors ({e}); export with --format torch") from None
     tmp.replace(path)
 
 

@@ -316,3 +316,31 @@ def apply_plan(plan: Plan) -> None:
             container.append(value)
         else:
             container[key] = value
+
+
+def tensor_paths(source: Source, under: tuple = ()) -> list[tuple[tuple, list[int], torch.dtype]]:
+    """(key path, whole shape, dtype) of every tensor saved under the key path `under`."""
+    out = []
+    for rec in source.meta(source.ranks[0])["tensors"]:
+        path = tuple(rec[0])
+        if path[: len(under)] == under:
+            shape = rec[3] if rec[3] is not None else rec[2]
+            out.append((path, list(shape), dtype_from_name(rec[1])))
+    return out
+
+
+def read_tensor(source: Source, path: tuple) -> torch.Tensor:
+    """One whole tensor of a checkpoint, its shards of every rank assembled, verified first.
+
+    Reading tensor by tensor keeps memory bounded by the largest tensor, however large the
+    checkpoint (used to export weights)."""
+    planner = _Planner(source, rank=0, world=1, strict=True)
+    rec = next((r for r in planner.meta["tensors"] if tuple(r[0]) == tuple(path)), None)
+    if rec is None:
+        raise StateMismatch(f"{key_str(path)}: no such tensor in {source.dir}")
+    t = torch.empty(rec[3] if rec[3] is not None else rec[2], dtype=dtype_from_name(rec[1]))
+    planner._tensor(t, rec, tuple(path))
+    for f in sorted(planner.plan.files()):
+        source.verify(f)
+    apply_plan(planner.plan)
+    return t

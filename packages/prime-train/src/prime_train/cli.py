@@ -3,6 +3,7 @@
 Usage:
   prime-train --config FILE.toml [--section.key VALUE ...]
   prime-train plot RUN_DIR [--out FILE.png]
+  prime-train export RUN_DIR [--step N] [--node K] --out DIR   (a Hugging Face Llama folder)
 
 Settings come from, highest first: command-line overrides (--train.steps 20), environment
 variables PRIME_SECTION__KEY (PRIME_TRAIN__STEPS=20), the TOML file, then the defaults below.
@@ -46,10 +47,47 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="prime-train export",
+        description="Write a checkpoint's weights as a Hugging Face Llama folder "
+        "(config.json, safetensors, tokenizer files) that transformers loads.",
+    )
+    parser.add_argument("run_dir", type=Path, help="a run folder, e.g. runs/debug")
+    parser.add_argument("--out", type=Path, required=True, help="new folder to write")
+    parser.add_argument("--step", type=int, default=None, help="default: newest that verifies")
+    parser.add_argument("--node", type=int, default=0, help="whose checkpoint (DiLoCo node)")
+    parser.add_argument(
+        "--max-shard-size", default="2GiB", help="split safetensors above this (e.g. 500MB)"
+    )
+    args = parser.parse_args(argv)
+    from prime_ckpt import CheckpointError
+    from prime_train.hf_export import ExportError, export_hf, parse_size
+    from prime_train.tokens import DataError
+
+    try:
+        limit = parse_size(args.max_shard_size)
+    except ValueError:
+        return _fail(f"--max-shard-size {args.max_shard_size!r}: write e.g. 2GiB or 500MB")
+    try:
+        done = export_hf(args.run_dir, args.out, args.step, args.node, limit)
+    except (ExportError, ConfigError, DataError, CheckpointError) as e:
+        return _fail(str(e))
+    except OSError as e:
+        return _fail(f"cannot export {args.run_dir}: {e}")
+    print(
+        f"exported step {done.step} ({done.tensors} tensors) to {done.out}: "
+        + ", ".join(done.files)
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plot"]:
         return _plot(argv[1:])
+    if argv[:1] == ["export"]:
+        return _export(argv[1:])
     parser = argparse.ArgumentParser(
         prog="prime-train",
         description=__doc__,

@@ -47,15 +47,26 @@ class ModelConfig(Section):
     vocab_size: int | None = Field(
         None, ge=2, description="override the preset's vocabulary (debug: the tokenizer's)"
     )
+    init_from: Path | None = Field(
+        None,
+        description="start from a Hugging Face Llama folder (config.json + safetensors); "
+        "its config.json gives the shape",
+    )
 
 
 class DataConfig(Section):
-    source: Literal["text", "synthetic"] = Field(
-        "text", description="'text' (files matching data.path) or 'synthetic' random tokens"
+    source: Literal["text", "parquet", "jsonl", "synthetic"] = Field(
+        "text",
+        description="'text' (each file matching data.path is a document), 'parquet' or 'jsonl' "
+        "(one document per row, in data.text_field) or 'synthetic' random tokens",
     )
     path: str = Field(
         "{stdlib}/*.py",
-        description="text files: a folder or a glob; '{stdlib}' is Python's standard library",
+        description="the corpus: a folder or a glob; '{stdlib}' is Python's standard library",
+    )
+    text_field: str = Field("text", description="parquet column / JSON field holding the text")
+    workers: int | None = Field(
+        None, ge=0, description="tokenizer processes per rank (default: the cores available)"
     )
     tokenizer: str = Field(
         "byte", description="'byte' (256 bytes + end-of-text) or a Hugging Face tokenizer.json"
@@ -206,6 +217,11 @@ class Config(Section):
         d = self.saved()
         d["run"].pop("log_every")
         d.pop("mesh")
+        d["data"].pop("workers")  # how fast tokens are made, not which
+        if self.model.init_from is not None:  # the weights, wherever the folder lives
+            from prime_train.hf_import import weights_digest
+
+            d["model"]["init_from"] = "sha256:" + weights_digest(self.model.init_from)
         return d
 
     def fingerprint_hash(self) -> str:

@@ -29,6 +29,7 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
+    hidden_dim: int | None = None  # the feed-forward width, when given outright (HF models)
 
     @property
     def kv_heads(self) -> int:
@@ -36,6 +37,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden(self) -> int:
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

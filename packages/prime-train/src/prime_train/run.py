@@ -16,22 +16,17 @@ import torch.nn.functional as F
 
 from prime_train import checkpointing
 from prime_train.config import Config
-from prime_train.config_load import ConfigError
-from prime_train.data import (
-    ShardedLoader,
-    SyntheticSequences,
-    TokenSequences,
-    data_part,
-    eval_batches,
-)
+from prime_train.data import ShardedLoader, data_part, eval_batches
+from prime_train.datasets import open_datasets
+from prime_train.hf_import import load_hf_weights, run_model_args
 from prime_train.metrics import Log, Metrics
-from prime_train.model import Transformer, model_args, num_params
+from prime_train.model import Transformer, num_params
 from prime_train.optim import lr_at, make_optimizer, set_lr
 from prime_train.parallel import build_model, reshard
 from prime_train.placement import Placement
 from prime_train.rundir import claim_run_dir
 from prime_train.seam import OuterStep
-from prime_train.tokens import DataError, build_token_cache, make_tokenizer
+from prime_train.tokens import make_tokenizer
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 
@@ -47,31 +42,30 @@ class Run:
         self.device = placement.device
         part, parts = data_part(node.index, node.count, placement.rank, placement.world_size)
 
-        vocab, train_seqs, held_seqs = self._data()
-        try:
-            args = model_args(
-                cfg.model.preset,
-                dim=cfg.model.dim,
-                n_layers=cfg.model.n_layers,
-                n_heads=cfg.model.n_heads,
-                n_kv_heads=cfg.model.n_kv_heads,
-                vocab_size=vocab,
-                max_seq_len=cfg.data.seq_len,
-            )
-        except ValueError as e:
-            raise ConfigError(f"[model] settings give an invalid shape: {e}") from None
+        tokenizer = None if cfg.data.source == "synthetic" else make_tokenizer(cfg.data.tokenizer)
+        args = run_model_args(cfg, tokenizer.vocab_size if tokenizer else None)
+        group = placement.group if placement.world_size > 1 else None
+        data = open_datasets(cfg, args.vocab_size, part, parts, group)
+        train_seqs, held_seqs = data.train, data.heldout
         with torch.device("meta"):
             self.model = Transformer(args)
         self.bf16 = build_model(
             self.model, placement.device_mesh, placement.device, cfg.train, seed=cfg.run.seed
         )
+        if cfg.model.init_from is not None:  # a run's own checkpoint, if any, is loaded later
+            load_hf_weights(self.model, args, cfg.model.init_from)
         self.opt = make_optimizer(self.model, cfg.optim)
         self.params = list(self.model.parameters())
 
         B = cfg.train.batch_size
         # synthetic sequences are already random: no permutation of their 2**30 indices
         self.loader = ShardedLoader(
-            train_seqs, B, part, parts, seed=cfg.run.seed, shuffle=cfg.data.source != "synthetic"
+            train_seqs,
+            B,
+            data.shard,
+            data.num_shards,
+            seed=cfg.run.seed,
+            shuffle=cfg.data.source != "synthetic",
         )
         self.eval_set = eval_batches(
             held_seqs, B, cfg.eval.batches, placement.rank, placement.world_size
@@ -98,42 +92,6 @@ class Run:
             f"{placement.world_size} rank(s); {len(train_seqs)} train / {len(held_seqs)} held-out "
             f"sequences of {cfg.data.seq_len} tokens"
         )
-
-    def _data(self):
-        cfg, p = self.cfg, self.placement
-        if cfg.data.source == "synthetic":
-            vocab = cfg.model.vocab_size or model_args(cfg.model.preset).vocab_size
-            return (
-                vocab,
-                SyntheticSequences(vocab, cfg.data.seq_len, cfg.run.seed),
-                SyntheticSequences(vocab, cfg.data.seq_len, cfg.run.seed + 10**6),
-            )
-        tok = make_tokenizer(cfg.data.tokenizer)
-        cache = cfg.data.cache_dir or cfg.run.runs_dir / ".token-cache"
-        # rank 0 tokenizes, the others then find the cache ready (or meet the same error)
-        files, error = None, None
-        if self.primary:
-            try:
-                files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
-            except DataError as e:
-                error = e
-        if p.world_size > 1:
-            dist.barrier(group=p.group)
-        if error is not None:
-            raise error
-        if files is None:
-            files = build_token_cache(cfg.data.path, tok, cfg.data.heldout_fraction, cache)
-        preset_vocab = model_args(cfg.model.preset).vocab_size
-        vocab = cfg.model.vocab_size or (
-            tok.vocab_size if cfg.model.preset == "debug" else preset_vocab
-        )
-        if tok.vocab_size > vocab:
-            raise ConfigError(
-                f"the tokenizer has {tok.vocab_size} tokens but the model only {vocab}; "
-                f"set model.vocab_size >= {tok.vocab_size}"
-            )
-        seq = cfg.data.seq_len
-        return vocab, TokenSequences(files.train, seq), TokenSequences(files.heldout, seq)
 
     def inner_step(self, step: int) -> torch.Tensor:
         """One optimizer step on the next batch; returns the loss (not synchronised)."""

@@ -14,6 +14,9 @@ from prime_train.config import Config
 from prime_train.files import write_atomic
 
 CONFIG_FILE = "config.json"
+# what identifies the run, as computed when it started: with model.init_from it holds the
+# digest of the weights then, so changed weights under the same path are caught
+FINGERPRINT_FILE = "fingerprint.json"
 
 
 class RunDirError(ValueError):
@@ -41,7 +44,11 @@ def claim_run_dir(cfg: Config, write: bool) -> Path:
         except (OSError, json.JSONDecodeError) as e:
             raise RunDirError(f"{saved} is unreadable ({e}); move the folder aside") from None
         try:
-            old_fp = Config.model_validate(old).fingerprint()
+            recorded = run_dir / FINGERPRINT_FILE
+            if recorded.is_file():
+                old_fp = json.loads(recorded.read_text())
+            else:
+                old_fp = Config.model_validate(old).fingerprint()
         except ValueError:
             raise RunDirError(
                 f"{saved} was written by another version of prime-train; use another --run.name"
@@ -59,6 +66,7 @@ def claim_run_dir(cfg: Config, write: bool) -> Path:
     if write:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(run_dir / FINGERPRINT_FILE, json.dumps(cfg.fingerprint()) + "\n")
             write_atomic(saved, json.dumps(cfg.saved(), indent=2) + "\n")
         except OSError as e:
             raise RunDirError(f"cannot create run folder {run_dir}: {e.strerror}") from None

@@ -6,7 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prime_train.metrics import plot_run, read_metrics, write_atomic
+from prime_train.files import write_atomic
+from prime_train.metrics import plot_run, read_metrics
 from prime_train.run import Run
 from prime_train.seam import OuterStep
 

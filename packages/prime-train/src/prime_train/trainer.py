@@ -127,6 +127,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     eval_loss: float | None = None
     if start == 0:
         eval_loss = run.evaluate_and_record(0)
+        if cfg.model.init_from is not None:  # the starting weights, exportable as step 0
+            run.checkpoint(0, outer)
 
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
     step = start

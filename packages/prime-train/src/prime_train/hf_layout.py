@@ -1,0 +1,155 @@
+"""The Hugging Face Llama layout: parameter names, rotary row order and config.json.
+
+prime-train's attention rotates interleaved pairs of each head's rows (0,1), (2,3), ...;
+Hugging Face Llama rotates halves (i, i + head_dim/2). The two layouts give the same model
+once the rows of wq and wk are permuted within each head: `to_hf_rows` and its inverse
+`from_hf_rows`. Every other tensor is only renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prime_train.config_load import ConfigError
+from prime_train.model import ModelArgs
+
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+class HFFormatError(ConfigError):
+    """A Hugging Face folder this model cannot represent (names the field)."""
+
+
+def hf_name(name: str) -> str:
+    """prime-train parameter name -> Hugging Face Llama name."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LAYER.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+
+
+def rotary_heads(name: str, args: ModelArgs) -> int | None:
+    """How many heads' rows to permute in this tensor (None: not a rotary projection)."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.kv_heads
+    return None
+
+
+def to_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Interleaved-pair rows of each head -> rotate-half rows: HF row j is ours 2j, HF row
+    head_dim/2 + j is ours 2j + 1."""
+    hd = w.shape[0] // heads
+    return w.reshape(heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def from_hf_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of `to_hf_rows` (any number of whole heads)."""
+    hd = w.shape[0] // heads
+    return w.reshape(heads, 2, hd // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_config(args: ModelArgs, eos_id: int | None, dtype: str = "float32") -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM with this shape (readable by transformers 4 and 5)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.dim // args.n_heads,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFFormatError(f"{path} not found: give a Hugging Face model folder") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFFormatError(f"{path} is unreadable: {e}") from None
+
+
+def _field(cfg: dict[str, Any], key: str, path: Path) -> Any:
+    if cfg.get(key) is None:
+        raise HFFormatError(f"{path}: field {key!r} is missing")
+    return cfg[key]
+
+
+def args_from_hf(folder: Path, max_seq_len: int) -> ModelArgs:
+    """The ModelArgs of a Hugging Face Llama folder; what prime-train's model cannot represent
+    is an HFFormatError naming the config.json field."""
+    cfg = read_hf_config(folder)
+    path = folder / "config.json"
+    if cfg.get("model_type") not in ("llama", None):
+        raise HFFormatError(f"{path}: model_type {cfg['model_type']!r} is not 'llama'")
+    rope = cfg.get("rope_parameters") or {}
+    if cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise HFFormatError(f"{path}: field 'rope_scaling' is set; only plain rotary is supported")
+    for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
+        if cfg.get(key, ok) != ok:
+            raise HFFormatError(f"{path}: field {key!r} = {cfg[key]!r} is not supported")
+    dim = int(_field(cfg, "hidden_size", path))
+    heads = int(_field(cfg, "num_attention_heads", path))
+    if cfg.get("head_dim") not in (None, dim // heads) or dim % heads:
+        raise HFFormatError(
+            f"{path}: field 'head_dim' = {cfg.get('head_dim')} is not hidden_size / "
+            f"num_attention_heads = {dim}/{heads}; prime-train needs head_dim = dim / heads"
+        )
+    try:
+        args = ModelArgs(
+            dim=dim,
+            n_layers=int(_field(cfg, "num_hidden_layers", path)),
+            n_heads=heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            vocab_size=int(_field(cfg, "vocab_size", path)),
+            hidden_dim=int(_field(cfg, "intermediate_size", path)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            max_seq_len=max_seq_len,
+        )
+        args.validate()
+    except ValueError as e:
+        raise HFFormatError(f"{path}: {e}") from None
+    return args

@@ -1,0 +1,161 @@
+"""Tokenizing a corpus in worker processes into memory-mapped token files on disk.
+
+The training parts of the corpus are dealt to data slots (slot = node x rank): part i goes
+to slot i mod slots, and each rank tokenizes only its own slot's parts, so no rank waits for
+another. The held-out parts (a small share) are tokenized by every rank that needs them,
+to the same cached file. Workers each tokenize one part at a time into a part file; the
+parent streams the part files, in order, into one `.npy` per slot and renames it into
+place. Memory stays bounded by what the workers hold (one batch of documents each), not by
+the corpus; a crash never leaves a torn cache, and concurrent builders race to an
+identical result.
+
+Files are keyed by the data (each file's path, size and modification time), the tokenizer,
+the text field and the slot layout: a re-run reuses them, a changed file rebuilds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prime_train.corpus import Part, documents, list_parts, resolve_files, split_heldout
+from prime_train.files import write_atomic
+from prime_train.tokens import DataError, make_tokenizer
+
+CACHE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """What the tokens depend on: the data, how to read it, and the tokenizer."""
+
+    path: str
+    source: str = "text"
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    heldout_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class SlotTokens:
+    """A slot's training tokens and the shared held-out tokens (`.npy`, memory-mappable).
+    `shared` is True when the corpus has fewer training parts than slots: then every slot
+    holds all training tokens and the loader shards sequences instead."""
+
+    train: Path
+    heldout: Path
+    shared: bool
+    parts: int
+
+
+def _key(spec: CorpusSpec, tokenizer_name: str, files: list[Path], what: str) -> str:
+    src = [CACHE_VERSION, spec.source, spec.text_field, tokenizer_name, spec.heldout_fraction]
+    for f in files:
+        st = f.stat()
+        src.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    src.append(what)
+    return hashlib.sha256(json.dumps(src).encode()).hexdigest()[:20]
+
+
+# --- worker side: one tokenizer per process, one part per task --------------------------
+
+_worker_tok = None
+
+
+def _init_worker(tokenizer: str) -> None:
+    global _worker_tok
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the pool is the parallelism
+    _worker_tok = make_tokenizer(tokenizer)
+
+
+def _tokenize_part(task: tuple[Part, str, str, str, str]) -> int:
+    """Tokenize one part into `out` (raw tokens, documents separated by end-of-text)."""
+    part, source, field, out, dtype = task
+    tok = _worker_tok
+    eos = [] if tok.eos_id is None else [tok.eos_id]
+    n = 0
+    with open(out, "wb") as f:
+        for batch in documents(part, source, field):
+            for doc in batch:
+                ids = tok.encode_bytes(doc) if isinstance(doc, bytes) else tok.encode_text(doc)
+                arr = np.concatenate([ids, eos]).astype(dtype)
+                f.write(arr.tobytes())
+                n += len(arr)
+    return n
+
+
+# --- parent side -------------------------------------------------------------------------
+
+
+def _build(dest: Path, parts: list[Part], spec: CorpusSpec, vocab: int, workers: int) -> None:
+    """Tokenize `parts` in order into the `.npy` file `dest` (written aside, then renamed)."""
+    dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        tasks = [
+            (p, spec.source, spec.text_field, str(tmp / f"{i:08d}.bin"), dtype.str)
+            for i, p in enumerate(parts)
+        ]
+        if workers <= 0:  # in this process (tests, tiny corpora)
+            _init_worker(spec.tokenizer)
+            counts = [_tokenize_part(t) for t in tasks]
+        else:
+            ctx = mp.get_context("spawn")  # no fork of a process that runs torch threads
+            with ctx.Pool(workers, _init_worker, (spec.tokenizer,)) as pool:
+                counts = list(pool.imap(_tokenize_part, tasks))
+        total = sum(counts)
+        out = tmp / "tokens.npy"
+        with open(out, "wb") as f:
+            header = {"descr": dtype.str, "fortran_order": False, "shape": (total,)}
+            np.lib.format.write_array_header_1_0(f, header)
+            for _, _, _, part_file, _ in tasks:
+                with open(part_file, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 22)
+                os.unlink(part_file)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(out, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_slot_tokens(
+    spec: CorpusSpec,
+    cache_dir: Path,
+    slot: int = 0,
+    slots: int = 1,
+    workers: int = 0,
+) -> SlotTokens:
+    """Tokenize (or find cached) the training parts of `slot` and the held-out parts."""
+    tok = make_tokenizer(spec.tokenizer)
+    files = resolve_files(spec.path, spec.source)
+    train, held = split_heldout(
+        list_parts(files, spec.source, spec.text_field), spec.heldout_fraction
+    )
+    shared = len(train) < slots
+    mine = train if shared else train[slot::slots]
+    what = "train" if shared else f"train-{slot}-of-{slots}"
+    out = cache_dir / _key(spec, tok.name, files, "")
+    train_file, held_file = out / f"{what}.npy", out / "heldout.npy"
+    for dest, parts in ((held_file, held), (train_file, mine)):
+        if not dest.is_file():
+            _build(dest, parts, spec, tok.vocab_size, workers)
+        if np.load(dest, mmap_mode="r").size == 0:
+            raise DataError(
+                f"{parts[0].file}{' and others' if len(parts) > 1 else ''}: no text to train on "
+                f"(empty documents or field {spec.text_field!r}); the corpus is empty"
+            )
+    info = out / "parts.json"
+    if not info.is_file():
+        listing = {"tokenizer": tok.name, "heldout": [p.name for p in held]}
+        write_atomic(info, json.dumps(listing) + "\n")
+    return SlotTokens(train_file, held_file, shared, len(mine))

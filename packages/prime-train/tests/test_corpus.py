@@ -1,0 +1,221 @@
+"""Data in: parquet and JSON-lines corpora made here, tokenized by worker processes into the
+per-slot token cache; bad input is one clear line; memory stays bounded by a few parts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from prime_train.corpus import list_parts, resolve_files, split_heldout
+from prime_train.token_cache import CorpusSpec, build_slot_tokens
+from prime_train.tokens import ByteTokenizer, DataError
+
+REPO = Path(__file__).resolve().parents[3]
+DEBUG = REPO / "configs" / "debug.toml"
+
+
+def docs_for(i: int, n: int) -> list[str]:
+    return [f"doc {i}-{j}: " + "lorem ipsum dolor sit amet " * (3 + (j % 7)) for j in range(n)]
+
+
+@pytest.fixture
+def parquet_corpus(tmp_path):
+    """3 files of 60 rows in row groups of 20 (9 parts), with an extra non-text column."""
+    d = tmp_path / "pq"
+    d.mkdir()
+    for i in range(3):
+        texts = docs_for(i, 60)
+        table = pa.table({"id": list(range(60)), "text": texts})
+        pq.write_table(table, d / f"train-{i:05d}.parquet", row_group_size=20)
+    return d
+
+
+def byte_tokens(texts: list[str]) -> np.ndarray:
+    tok = ByteTokenizer()
+    return np.concatenate([np.append(tok.encode_text(t), tok.eos_id) for t in texts])
+
+
+def test_parquet_slots_cover_the_corpus_once_with_workers(parquet_corpus, tmp_path):
+    spec = CorpusSpec(str(parquet_corpus), "parquet", heldout_fraction=0.1)
+    files = resolve_files(spec.path, "parquet")
+    parts = list_parts(files, "parquet", "text")
+    assert len(parts) == 9 and all(p.rows == 20 for p in parts)
+    train, held = split_heldout(parts, 0.1)
+    slots = [build_slot_tokens(spec, tmp_path / "cache", s, 3, workers=2) for s in range(3)]
+    assert not any(s.shared for s in slots) and [s.parts for s in slots] == [
+        len(train[s::3]) for s in range(3)
+    ]
+    assert len({s.heldout for s in slots}) == 1  # one held-out file, shared by every slot
+
+    def expected(part_list):
+        out = []
+        for p in part_list:
+            texts = pq.ParquetFile(p.file).read_row_group(p.index)["text"].to_pylist()
+            out.append(byte_tokens(texts))
+        return np.concatenate(out)
+
+    for s, slot in enumerate(slots):
+        got = np.load(slot.train, mmap_mode="r")
+        assert got.dtype == np.uint16 and np.array_equal(got, expected(train[s::3]))
+    assert np.array_equal(np.load(slots[0].heldout), expected(held))
+    # a re-run reuses the cache (nothing rewritten); a changed file makes a new one
+    mtime = slots[1].train.stat().st_mtime_ns
+    again = build_slot_tokens(spec, tmp_path / "cache", 1, 3, workers=2)
+    assert again == slots[1] and again.train.stat().st_mtime_ns == mtime
+    pq.write_table(pa.table({"text": docs_for(9, 40)}), files[0], row_group_size=20)
+    assert build_slot_tokens(spec, tmp_path / "cache", 1, 3).train != slots[1].train
+    # fewer training parts than slots: every slot shares the whole training set
+    shared = build_slot_tokens(spec, tmp_path / "cache", 5, 64)
+    assert shared.shared and shared.parts == len(
+        split_heldout(list_parts(files, "parquet", "text"), 0.1)[0]
+    )
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_jsonl_with_a_hugging_face_tokenizer_puts_end_of_text_between_documents(tmp_path):
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    d = tmp_path / "jl"
+    d.mkdir()
+    all_docs = []
+    for i in range(4):
+        texts = docs_for(i, 10)
+        all_docs += texts
+        (d / f"{i}.jsonl").write_text(
+            "".join(json.dumps({"text": t, "n": 1}) + "\n" for t in texts)
+        )
+    tk = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator(
+        all_docs, trainers.BpeTrainer(vocab_size=100, special_tokens=["[UNK]", "</s>"])
+    )
+    tk.save(str(tmp_path / "tokenizer.json"))
+    spec = CorpusSpec(str(d), "jsonl", "text", str(tmp_path / "tokenizer.json"), 0.3)
+    out = build_slot_tokens(spec, tmp_path / "cache", workers=1)
+    train, held = np.load(out.train), np.load(out.heldout)
+    eos = tk.token_to_id("</s>")
+    assert (train == eos).sum() + (held == eos).sum() == 40  # one after each document
+    first = tk.decode(train[: int(np.argmax(train == eos))].tolist())
+    assert first.startswith("doc ") and "lorem ipsum" in first
+
+
+def test_bad_input_names_the_file(parquet_corpus, tmp_path):
+    spec = CorpusSpec(str(parquet_corpus), "parquet")
+    bad = parquet_corpus / "train-00009.parquet"
+    bad.write_bytes(b"not a parquet file at all")
+    with pytest.raises(DataError, match=r"cannot read .*train-00009\.parquet"):
+        build_slot_tokens(spec, tmp_path / "cache")
+    bad.unlink()
+    with pytest.raises(DataError, match=r"train-00000\.parquet has no column 'body'"):
+        build_slot_tokens(CorpusSpec(str(parquet_corpus), "parquet", "body"), tmp_path / "cache")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty / f"{i}.parquet")
+    with pytest.raises(DataError, match=r"0\.parquet, \.\.\.\) hold no rows: the corpus is empty"):
+        build_slot_tokens(CorpusSpec(str(empty), "parquet"), tmp_path / "cache")
+    jl = tmp_path / "jl"
+    jl.mkdir()
+    for i in range(2):
+        (jl / f"{i}.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"[01]\.jsonl has no field 'text'"):
+        build_slot_tokens(CorpusSpec(str(jl), "jsonl"), tmp_path / "cache", workers=1)
+    for i in range(2):
+        (jl / f"{i}.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(DataError, match=r"the corpus is empty"):
+        build_slot_tokens(CorpusSpec(str(jl), "jsonl"), tmp_path / "cache")
+
+
+def test_cli_trains_on_parquet_and_reports_a_bad_shard_in_one_line(parquet_corpus, tmp_path):
+    base = [
+        "--config",
+        str(DEBUG),
+        "--run.runs_dir",
+        str(tmp_path / "runs"),
+        "--launch.local_nodes",
+        "1",
+    ]
+    base += ["--data.source", "parquet", "--data.path", str(parquet_corpus), "--data.seq_len", "32"]
+    base += ["--train.batch_size", "2", "--train.steps", "4", "--eval.batches", "1"]
+    r = subprocess.run(
+        [sys.executable, "-m", "prime_train.cli", *base, "--data.workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "done: 4/4 steps" in r.stdout
+    (parquet_corpus / "train-00001.parquet").write_bytes(b"PAR1 torn")
+    r = subprocess.run(
+        [sys.executable, "-m", "prime_train.cli", *base, "--run.name", "other"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("prime-train: cannot read ") and "train-00001.parquet" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+MEASURE = """
+import json, resource, sys
+from pathlib import Path
+from prime_train.token_cache import CorpusSpec, build_slot_tokens
+if __name__ == "__main__":
+    out = build_slot_tokens(CorpusSpec(sys.argv[1], "parquet"), Path(sys.argv[2]), workers=2)
+    peak = lambda who: resource.getrusage(who).ru_maxrss * 1024
+    print(json.dumps({"self": peak(resource.RUSAGE_SELF), "child": peak(resource.RUSAGE_CHILDREN),
+                      "tokens": int(__import__("numpy").load(out.train, mmap_mode="r").size)}))
+"""
+
+
+@pytest.mark.slow
+def test_tokenizes_a_corpus_several_times_larger_than_its_peak_memory(tmp_path):
+    """Peak RSS of the builder plus its 2 workers (each counted at the largest worker's peak)
+    stays a fraction of the corpus: tokens stream through part files to disk."""
+    rng = np.random.default_rng(0)
+    words = np.array(
+        [
+            "the",
+            "quick",
+            "brown",
+            "fox",
+            "jumps",
+            "over",
+            "a",
+            "lazy",
+            "dog",
+            "while",
+            "models",
+            "train",
+        ]
+    )
+    texts = [" ".join(words[rng.integers(0, len(words), 500)]) for _ in range(2000)]
+    d = tmp_path / "big"
+    d.mkdir()
+    table = pa.table({"text": texts})
+    per_file = sum(len(t) for t in texts)
+    n_files = -(-(2000 * 2**20) // per_file)  # 2 GB of text
+    for i in range(n_files):
+        pq.write_table(table, d / f"{i:04d}.parquet", row_group_size=500, compression="none")
+    corpus_bytes = per_file * n_files
+    script = tmp_path / "measure.py"
+    script.write_text(MEASURE)
+    r = subprocess.run(
+        [sys.executable, str(script), str(d), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    peak = m["self"] + 2 * m["child"]
+    assert m["tokens"] > 0.9 * corpus_bytes  # byte tokens: (nearly) all of it, minus held-out
+    print(f"corpus {corpus_bytes / 2**20:.0f} MB, peak RSS {peak / 2**20:.0f} MB ({m})")
+    assert corpus_bytes > 4 * peak, (corpus_bytes, m)
