@@ -165,7 +165,7 @@ class StatusServer:
         except OSError as e:
             raise OSError(
                 f"cannot serve the status page on {self.host}:{self.port} ({e.strerror}); "
-                "pick another --status-port"
+                "pick another status port"
             ) from None
         httpd.page = self._coordinator.page_status
         self._httpd = httpd

@@ -27,6 +27,7 @@ from prime_train.metrics import Log, Metrics
 from prime_train.model import Transformer, model_args, num_params
 from prime_train.optim import lr_at, make_optimizer, set_lr
 from prime_train.parallel import Placement, build_model, init_placement, reshard
+from prime_train.reporting import attach_reporting
 from prime_train.rundir import claim_run_dir
 from prime_train.stop import StopSignal
 from prime_train.summary import Summary, finish
@@ -305,6 +306,7 @@ def train(
         if node is not None:
             node.attach(run.params, run.metrics)
             run.diloco = node
+        attach_reporting(cfg, run, node.mesh if node is not None else None)
         return train_loop(cfg, run, placement, outer, log)
     finally:
         if run is not None:

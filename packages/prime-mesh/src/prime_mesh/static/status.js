@@ -84,7 +84,9 @@ function renderNodes(status) {
     tr.appendChild(split);
     // details: why a node is gone, else its public metadata, as text
     const meta = Object.entries(n.metadata || {}).map(([k, v]) => k + "=" + (typeof v === "string" ? v : JSON.stringify(v)));
-    tr.appendChild(el("td", gone ? n.reason : meta.join("  "), "details"));
+    const details = el("td", null, "details");
+    for (const line of gone ? [n.reason] : meta) details.appendChild(el("div", line));
+    tr.appendChild(details);
     rows.push(tr);
   }
   body.replaceChildren(...rows);
@@ -140,7 +142,9 @@ function drawLoss(status) {
   }
   ctx.fillText("step", (L + W - R) / 2, H - 4);
   let legendY = T + 8;
+  let ring = 0;
   for (const [nodeId, s] of series) {
+    const radius = 3.5 + 2 * ring++;  // held-out rings grow per node: equal values stay visible
     const color = colorOf(nodeId);
     ctx.strokeStyle = color; ctx.fillStyle = color; ctx.lineWidth = 2;
     ctx.beginPath();
@@ -152,7 +156,7 @@ function drawLoss(status) {
     ctx.stroke();
     for (const p of s) {
       if (p.eval_loss === undefined || p.step === undefined) continue;
-      ctx.beginPath(); ctx.arc(X(p.step), Y(p.eval_loss), 3.5, 0, 2 * Math.PI); ctx.fill();
+      ctx.beginPath(); ctx.arc(X(p.step), Y(p.eval_loss), radius, 0, 2 * Math.PI); ctx.stroke();
     }
     ctx.fillRect(W - R + 12, legendY - 8, 10, 10);
     ctx.fillStyle = "#1d2330";
