@@ -4,6 +4,8 @@ with the Prometheus client's own parser, the security headers, and `prime-mesh c
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import urllib.error
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prime_mesh import Coordinator, ElasticDeviceMesh
 from prime_mesh.progress import SERIES_POINTS, History, validate_progress
-from prime_testkit import wait_until
+from prime_testkit import free_port, wait_until
 
 TOKEN = "status-page-secret-token"
 CLI = str(Path(sys.executable).parent / "prime-mesh")
@@ -168,13 +170,32 @@ def test_a_leaving_node_is_in_the_epoch_history(served):
     assert [(n["node_id"], n["state"]) for n in data["nodes"]] == [(mesh.node_id, "left")]
 
 
+def readme_block(language: str, contains: str) -> str:
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = re.findall(rf"```{language}\n(.*?)```", text, re.S)
+    return next(b for b in blocks if contains in b)
+
+
+def test_readme_report_progress_example(served):
+    coord, _, mesh = served
+    exec(readme_block("python", "mesh.report_progress("), {"mesh": mesh})
+    wait_until(lambda: coord.page_status()["nodes"][0]["progress"].get("outer_step") == 3, 10,
+               what="the README's reports")  # fmt: skip
+    progress = coord.page_status()["nodes"][0]["progress"]
+    assert progress["step"] == 120 and progress["bytes_sent"] == 443_540
+
+
 @pytest.mark.timeout(120)
-def test_cli_status_port_binds_loopback_and_serves(children):
-    env = {**os.environ, "PRIME_TOKEN": TOKEN}
-    proc = children.popen(
-        [CLI, "coordinator", "--port", "0", "--status-port", "0"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def test_readme_coordinator_command_binds_loopback_and_serves(children):
+    """The README's command as written, on free ports instead of 29500 and 8080."""
+    command = next(
+        line for line in readme_block("bash", "--status-port").splitlines()
+        if line.startswith("prime-mesh coordinator")
     )  # fmt: skip
+    args = shlex.split(command.replace("29500", str(free_port())).replace("8080", "0"))
+    env = {**os.environ, "PRIME_TOKEN": TOKEN}
+    proc = children.popen([CLI, *args[1:]], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
     seen = [proc.stdout.readline() for _ in range(4)]  # log lines, the URL, the address
     line = next((x for x in seen if x.startswith("prime-mesh status page at ")), "")
     assert line.startswith("prime-mesh status page at http://127.0.0.1:"), seen
