@@ -7,6 +7,7 @@ The screenshot in packages/prime-mesh/README.md is this test's own: run it with
 
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -50,6 +51,7 @@ def outer_steps(session) -> list[int]:
     return [int(r[6]) if r[6].isdigit() else 0 for r in members(session).values()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_status_page_during_a_two_node_run(tmp_path, children):
     port = free_port()
@@ -103,4 +105,5 @@ def test_status_page_during_a_two_node_run(tmp_path, children):
             "width": 1500, "height": min(int(height) + 16, 1400), "deviceScaleFactor": 1,
             "mobile": False})  # fmt: skip
         assert session.save_screenshot(str(target)) and target.stat().st_size > 10_000
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: the nodes finish their step, checkpoint, exit 0
     assert proc.wait(timeout=300) == 0, "".join(output)[-3000:]
