@@ -105,3 +105,29 @@ def test_only_the_first_member_logs(tmp_path):
     assert scalars(tmp_path / "tensorboard") == {"loss": [(2, 2.5)]}
     (events,) = (tmp_path / "tensorboard").glob("events.*")
     assert events.name.endswith(".node1")
+
+
+def test_mesh_progress_reports_rows_and_the_time_split():
+    from prime_train.reporting import MeshProgress
+
+    class Mesh:
+        def __init__(self):
+            self.reports = []
+
+        def report_progress(self, **numbers):
+            from prime_mesh.progress import validate_progress
+
+            self.reports.append(validate_progress(numbers))
+
+    now = [100.0]
+    mesh = Mesh()
+    sink = MeshProgress(mesh, clock=lambda: now[0])
+    sink.write({"step": 10, "loss": float("nan"), "lr": 0.1, "tokens_per_s": 900.0, "time": 1.0})
+    now[0] = 112.0
+    sink.write({"step": 20, "outer_step": 1, "outer_seconds": 2.0, "allreduce_seconds": 0.5,
+                "bytes_sent": 4096, "nodes": 2, "epoch": 1, "outer_sha256": "ab"})  # fmt: skip
+    assert mesh.reports == [
+        {"step": 10, "tokens_per_s": 900.0},  # a nan loss is not reported, nor unknown fields
+        {"step": 20, "outer_step": 1, "outer_seconds": 2.0, "allreduce_seconds": 0.5,
+         "bytes_sent": 4096, "compute_seconds": 10.0, "wait_seconds": 1.5},
+    ]  # fmt: skip

@@ -7,6 +7,7 @@ records then also reaches the coordinator (a few numbers riding on the heartbeat
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -48,6 +49,8 @@ class MeshProgress:
             self._round_start = now
         from prime_mesh import MeshError
 
+        # a diverged loss (nan, inf) is in metrics.jsonl; the page shows the last finite one
+        numbers = {k: v for k, v in numbers.items() if math.isfinite(v) and v >= 0}
         try:
             self.mesh.report_progress(**numbers)
         except MeshError:  # evicted or closed: the trainer hears of it at its next sync point
