@@ -100,6 +100,17 @@ def test_page_through_a_killed_and_a_new_node(children):
             summary = session.find_element("id", "summary").text
             assert summary.startswith("epoch 3 · 2 members"), summary
             assert node_rows(session)["node-2"][1].startswith("evicted")
-        assert a.poll() is None
+            assert a.poll() is None
+
+            # a restarted coordinator starts a new history, and the open page says so
+            port = int(page.url.rsplit(":", 1)[1].strip("/"))
+            coord.close()
+            wait_until(lambda: "cannot reach the coordinator" in session.find_element(
+                "id", "connection").text, 30, what="the page noticing the coordinator gone")  # fmt: skip
+            coord = Coordinator("127.0.0.1", port=0, token=TOKEN).start()
+            coord.serve_status(port=port)
+            wait_until(lambda: "coordinator restarted" in session.find_element(
+                "id", "history").text, 30, what="the page saying the coordinator restarted")  # fmt: skip
+            assert table(session, "nodes") == [] and table(session, "events") == []
     finally:
         coord.close()

@@ -114,7 +114,7 @@ function drawLoss(status) {
   const ctx = canvas.getContext("2d");
   const W = canvas.width, H = canvas.height, L = 56, R = 130, T = 12, B = 34;
   ctx.clearRect(0, 0, W, H);
-  const series = Object.entries(status.series);
+  const series = Object.entries(status.series).sort(([a], [b]) => a.localeCompare(b, "en", { numeric: true }));
   const pts = [];
   for (const [, s] of series) for (const p of s) {
     if (p.step === undefined) continue;
