@@ -32,6 +32,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     from prime_mesh.wire import resolve_token
 
     token = resolve_token(_token(args.token_file))  # before importing torch: fail fast
+    if args.status_port is not None:
+        from prime_mesh.status_server import require_status_extra
+
+        require_status_extra()
     from prime_mesh.coordinator import Coordinator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -41,7 +41,7 @@ _GAUGES = {
 }
 
 
-def _prometheus() -> Any:
+def require_status_extra() -> Any:
     try:
         import prometheus_client
     except ImportError:
@@ -95,7 +95,7 @@ class _Collector:
 
 def render_metrics(page: dict) -> tuple[bytes, str]:
     """`page` (a `Coordinator.page_status()`) in the Prometheus text format, and its type."""
-    prom = _prometheus()
+    prom = require_status_extra()
     registry = prom.CollectorRegistry(auto_describe=False)
     registry.register(_Collector(page))
     return prom.generate_latest(registry), prom.CONTENT_TYPE_LATEST
@@ -152,7 +152,7 @@ class StatusServer:
     """Serves one coordinator's status page; `Coordinator.serve_status()` starts one."""
 
     def __init__(self, coordinator: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        _prometheus()  # a clear error now rather than on the first scrape
+        require_status_extra()  # a clear error now rather than on the first scrape
         self.host, self.port = host, port
         self._coordinator = coordinator
         self._httpd: _Server | None = None
