@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from prime_comm import ring_bytes
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
 from prime_train.model import Transformer, model_args, num_params
+from prime_train.plot import membership_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "diloco-train-test-token"
@@ -109,6 +111,7 @@ def test_two_nodes_through_the_cli_learn_with_identical_weights(tmp_path, token_
 def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cache, children):
     runs = tmp_path / "runs"
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    page = coord.serve_status()
     try:
         args = cli_args(runs, token_cache, "--launch.local_nodes", "2")
         n0 = start_node(children, 0, coord.address, args, tmp_path / "node0.log")
@@ -128,12 +131,28 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
         assert fetched >= 20
         n1.send_signal(signal.SIGKILL)
         assert n0.wait(timeout=200) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        # the status page: the trainer's numbers, and the killed node evicted, with why
+        status = json.loads(urllib.request.urlopen(page.url + "api/status", timeout=10).read())
     finally:
         coord.close()
+    survivor, killed = (n["node_id"] for n in sorted(status["nodes"], key=lambda n: n["node_id"]))
+    evicted = [e for e in status["events"] if e["kind"] == "evicted"]
+    assert [(e["node_id"], e["reason"], e["members"]) for e in evicted] == [
+        (killed, "connection of local rank 0 closed", [survivor])
+    ]
+    progress = {n["node_id"]: n["progress"] for n in status["nodes"]}
+    assert progress[survivor]["step"] == 60 and progress[survivor]["outer_step"] == 3
+    assert progress[killed]["outer_step"] >= 1 and progress[killed]["loss"] > 0
+    # prime-train plot marks the outer step where the survivor went on alone
+    r = subprocess.run([sys.executable, "-m", "prime_train.cli", "plot", str(runs / "debug")],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and (runs / "debug" / "loss.png").stat().st_size > 10_000, r.stderr
     outer = [r for r in records(run_dir / "metrics.jsonl") if "outer_step" in r]
     assert [r["outer_step"] for r in outer] == [1, 2, 3]
     assert outer[0]["nodes"] == 2
     assert outer[-1]["nodes"] == 1, "the survivor still averaged with the dead node"
+    alone = next(r for r in outer if r["nodes"] == 1)
+    assert membership_changes(outer) == [(alone["step"], alone["epoch"], 1)]
     log = (tmp_path / "node0.log").read_text()
     assert "done: 60/60 steps" in log
 

@@ -32,6 +32,10 @@ def _coordinator(args: argparse.Namespace) -> int:
     from prime_mesh.wire import resolve_token
 
     token = resolve_token(_token(args.token_file))  # before importing torch: fail fast
+    if args.status_port is not None:
+        from prime_mesh.status_server import require_status_extra
+
+        require_status_extra()
     from prime_mesh.coordinator import Coordinator
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -43,6 +47,13 @@ def _coordinator(args: argparse.Namespace) -> int:
         store_port=args.store_port,
         advertise_host=args.advertise_host,
     ).start()
+    if args.status_port is not None:
+        try:
+            page = coord.serve_status(args.status_host, args.status_port)
+        except BaseException:
+            coord.close()
+            raise
+        print(f"prime-mesh status page at {page.url}", flush=True)
     # One parseable line, so a launcher that passed --port 0 learns the address.
     print(
         f"prime-mesh coordinator listening on {coord.address} (store port {coord.store_port})",
@@ -77,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--min-nodes", type=int, default=1, help="nodes needed to form the first epoch")
     c.add_argument(
         "--token-file", default=None, help="file holding the token (else env PRIME_TOKEN)"
+    )
+    c.add_argument(
+        "--status-port",
+        type=int,
+        default=None,
+        help="serve the read-only status page, /api/status and /metrics on this port (0: free)",
+    )
+    c.add_argument(
+        "--status-host",
+        default="127.0.0.1",
+        help="address of the status page (default 127.0.0.1: this machine only)",
     )
     c.set_defaults(func=_coordinator)
     s = sub.add_parser("status", help="print the members of a running job")

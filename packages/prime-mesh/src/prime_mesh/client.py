@@ -11,9 +11,11 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from prime_mesh.errors import CoordinatorLost, MeshAuthError, MeshError, MeshEvicted, MeshRefused
+from prime_mesh.progress import MAX_PENDING
 from prime_mesh.wire import client_handshake, parse_address
 
 
@@ -62,6 +64,7 @@ class CoordinatorClient:
         self._reader = threading.Thread(target=self._read_loop, name="mesh-reader", daemon=True)
         self._reader.start()
         self._beater: threading.Thread | None = None
+        self._progress: deque[dict] = deque(maxlen=MAX_PENDING)  # for the next heartbeat
 
     # ---- state ---------------------------------------------------------------------------
     def check(self) -> None:
@@ -143,6 +146,10 @@ class CoordinatorClient:
         with self._cond:
             self._cond.notify_all()
 
+    def queue_progress(self, numbers: dict) -> None:
+        """Send `numbers` (validated) with the next heartbeat."""
+        self._progress.append(numbers)
+
     # ---- threads -------------------------------------------------------------------------
     def start_heartbeats(self) -> None:
         self._beater = threading.Thread(target=self._beat_loop, name="mesh-heartbeat", daemon=True)
@@ -151,8 +158,14 @@ class CoordinatorClient:
     def _beat_loop(self) -> None:
         last = time.monotonic()
         while not self._closing and self._error is None:
+            beat: dict = {"type": "hb"}
+            if self._progress:
+                reports = []
+                while self._progress:
+                    reports.append(self._progress.popleft())
+                beat["progress"] = reports
             try:
-                self.channel.send({"type": "hb"})
+                self.channel.send(beat)
             except OSError:
                 self._fail(
                     CoordinatorLost, f"lost the coordinator at {self.address}: connection closed"

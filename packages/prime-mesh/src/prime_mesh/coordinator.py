@@ -83,6 +83,7 @@ class Coordinator:
         self._store: Any = None  # torch.distributed.TCPStore, the gloo rendezvous
         self._threads: list[threading.Thread] = []
         self._conns: set[_Conn] = set()
+        self._status_servers: list[Any] = []
 
     @property
     def address(self) -> str:
@@ -132,6 +133,20 @@ class Coordinator:
         with self._lock:
             return self.state.status()
 
+    def page_status(self) -> dict:
+        """What the status page shows (see `Membership.page`): a copy, taken under the lock."""
+        with self._lock:
+            return self.state.page()
+
+    def serve_status(self, host: str = "127.0.0.1", port: int = 0) -> Any:
+        """Serve the read-only status page, `/api/status` and `/metrics` (needs the
+        `prime-mesh[status]` extra); returns the server (`.url`), closed with the coordinator."""
+        from prime_mesh.status_server import StatusServer
+
+        server = StatusServer(self, host, port).start()
+        self._status_servers.append(server)
+        return server
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until close(); True if closed."""
         return self._stop.wait(timeout)
@@ -148,6 +163,8 @@ class Coordinator:
             self._sock.close()
         for conn in list(self._conns):
             conn.channel.close()
+        for server in self._status_servers:
+            server.close()
         for t in self._threads:
             t.join(timeout=5)
         self._store = None
@@ -239,7 +256,7 @@ class Coordinator:
             elif self.state.nodes.get(node.key) is not node:
                 pass  # evicted: it has been told so and its connection is closing
             elif kind == "hb":
-                self.state.heartbeat(node, lr)
+                self.state.heartbeat(node, lr, msg.get("progress"))
                 conn.send({"type": "ack", "epoch": self.state.epoch})
             elif kind == "sync":
                 self.state.sync(node, lr, conn, req, msg)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prime_mesh.progress import History, public_metadata
+
 log = logging.getLogger("prime_mesh.coordinator")
 
 
@@ -39,6 +41,7 @@ class Node:
     conns: dict[int, Conn] = field(default_factory=dict)
     last_seen: dict[int, float] = field(default_factory=dict)
     member: bool = False
+    address: str = ""  # as the coordinator sees local rank 0's connection
 
     @property
     def complete(self) -> bool:
@@ -62,6 +65,7 @@ class Membership:
         self._seq = 0
         self._barrier: dict[tuple[str, int], tuple[Conn, int, bool, bool]] = {}
         self._votes: dict[int, dict[tuple[str, int], tuple[Conn, int, bool]]] = {}
+        self.history = History()
 
     # ---- messages from nodes -------------------------------------------------------------
     def register(self, conn: Conn, msg: dict) -> Node:
@@ -99,6 +103,7 @@ class Membership:
             )
         if lr == 0:
             node.metadata = metadata
+            node.address = conn.peer.rpartition(":")[0]
         node.conns[lr] = conn
         node.last_seen[lr] = self.clock()
         log.info("%s local rank %d/%d registered from %s", node.node_id, lr, lws, conn.peer)
@@ -108,8 +113,10 @@ class Membership:
             self._maybe_bootstrap()
         return node
 
-    def heartbeat(self, node: Node, lr: int) -> None:
+    def heartbeat(self, node: Node, lr: int, progress: Any = None) -> None:
         node.last_seen[lr] = self.clock()
+        if progress is not None:
+            self.history.report(node.node_id, progress)
 
     def sync(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
         """A member reached a sync point; answer when every member has (or at once if stale)."""
@@ -138,14 +145,20 @@ class Membership:
         self.gone.add(node.key)
         if node.key in self.joiners:
             self.joiners.remove(node.key)
-        level = logging.INFO if reason == "left gracefully" else logging.WARNING
-        log.log(level, "%s evicted: %s", node.node_id, reason)
+        left = reason == "left gracefully"
+        log.log(logging.INFO if left else logging.WARNING, "%s evicted: %s", node.node_id, reason)
+        kind = "left" if left else "evicted"
+        self.history.departed_node(node.node_id, node.address, kind, reason)
+        if not node.member:  # a joiner: no new epoch, but the page says what happened
+            self.history.event(kind, self.epoch, node.node_id, reason, self._member_ids())
         for c in node.conns.values():
             c.send({"type": "evicted", "reason": reason, "node_id": node.node_id})
             c.close_after_flush()
         if node.member:
             self._new_epoch(
-                [k for k in self.members if k != node.key], f"{node.node_id} left: {reason}"
+                [k for k in self.members if k != node.key],
+                f"{node.node_id} left: {reason}",
+                (kind, node.node_id, reason),
             )
         self._maybe_bootstrap()
 
@@ -163,7 +176,9 @@ class Membership:
                     break
 
     # ---- epochs --------------------------------------------------------------------------
-    def _new_epoch(self, members: list[str], why: str) -> None:
+    def _new_epoch(
+        self, members: list[str], why: str, event: tuple[str, str | None, str] | None = None
+    ) -> None:
         self.epoch += 1
         self.prefix = secrets.token_hex(
             16
@@ -177,6 +192,8 @@ class Membership:
             if key in self.joiners:
                 self.joiners.remove(key)
         info = self.epoch_info()
+        kind, node_id, reason = event or ("rebuilt", None, why)
+        self.history.event(kind, self.epoch, node_id, reason, info["members"])
         log.info(
             "epoch %d: %d members %s (%s)",
             self.epoch,
@@ -204,8 +221,15 @@ class Membership:
         failed = any(f for _, _, _, f in entries)
         if admit or failed:
             joiners = list(self.joiners) if admit else []
-            why = "admitted " + ", ".join(self.nodes[k].node_id for k in joiners) if joiners else ""
-            self._new_epoch(self.members + joiners, why or "rebuilt after a failed collective")
+            ids = ", ".join(self.nodes[k].node_id for k in joiners)
+            if joiners:
+                self._new_epoch(
+                    self.members + joiners,
+                    f"admitted {ids}",
+                    ("joined", ids, "admitted at a sync point"),
+                )
+            else:
+                self._new_epoch(self.members, "rebuilt after a failed collective")
         else:
             info = self.epoch_info()
             for conn, req, _, _ in entries:
@@ -214,7 +238,10 @@ class Membership:
 
     def _maybe_bootstrap(self) -> None:
         if not self.members and len(self.joiners) >= self.min_nodes:
-            self._new_epoch(list(self.joiners), "formed")
+            ids = ", ".join(self.nodes[k].node_id for k in self.joiners)
+            self._new_epoch(
+                list(self.joiners), "formed", ("formed", ids, f"{self.min_nodes} node(s) needed")
+            )
 
     def _required(self) -> set[tuple[str, int]]:
         return {(k, lr) for k in self.members for lr in range(self.nodes[k].local_world_size)}
@@ -225,6 +252,9 @@ class Membership:
         return next((n for k, n in self.nodes.items() if k != exclude), None)
 
     # ---- views ---------------------------------------------------------------------------
+    def _member_ids(self) -> list[str]:
+        return [self.nodes[k].node_id for k in self.members]
+
     def epoch_info(self) -> dict:
         return {
             "epoch": self.epoch,
@@ -257,4 +287,32 @@ class Membership:
             "epoch": self.epoch,
             "min_nodes": self.min_nodes,
             "nodes": [view(self.nodes[k]) for k in ordered],
+        }
+
+    def page(self) -> dict:
+        """The status page's data: plain values copied out, so it is serialized after the
+        lock is released; no token, rendezvous prefix or `_` metadata."""
+        h = self.history
+        nodes = []
+        for view in self.status()["nodes"]:
+            node = next(n for n in self.nodes.values() if n.node_id == view["node_id"])
+            nodes.append(
+                {
+                    **view,
+                    "address": node.address,
+                    "metadata": public_metadata(view["metadata"]),
+                    "progress": dict(h.latest.get(node.node_id, {})),
+                }
+            )
+        for gone in h.departed:
+            nodes.append({**gone, "progress": dict(h.latest.get(gone["node_id"], {}))})
+        return {
+            "history": {"run_id": h.run_id, "started": h.started},
+            "epoch": self.epoch,
+            "min_nodes": self.min_nodes,
+            "members": self._member_ids(),
+            "nodes": nodes,
+            "events": list(h.events),
+            "series": {k: list(v) for k, v in h.series.items()},
+            "dropped_reports": h.dropped_reports,
         }

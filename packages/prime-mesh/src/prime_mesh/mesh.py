@@ -17,6 +17,7 @@ from prime_mesh.client import CoordinatorClient
 from prime_mesh.deadline import CollectiveDeadline
 from prime_mesh.errors import CoordinatorLost, MeshClosed, MeshError, MeshEvicted
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
+from prime_mesh.progress import validate_progress
 from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh")
@@ -220,6 +221,12 @@ class ElasticDeviceMesh:
         self._check()
         return dict(self._client.request({"type": "status"})["status"])
 
+    def report_progress(self, **numbers: float) -> None:
+        """Show training numbers on the coordinator's status page (`step`, `loss`, ...: see
+        `prime_mesh.progress.PROGRESS_FIELDS`); they ride on the next heartbeat. ValueError on
+        an unknown field or a value that is not a finite number >= 0."""
+        self._client.queue_progress(validate_progress(numbers))
+
     # ---- collective deadlines ------------------------------------------------------------
     def collective_timeout(self) -> float:
         """Seconds to allow the next inter-node collective: a bounded moving average of the
@@ -329,9 +336,7 @@ class ElasticDeviceMesh:
             if self._latest is not None and self._latest.number > target.number:
                 target = self._latest
             if self.node_id not in target.members:
-                self._client.wait_for(
-                    lambda: False, self.heartbeat_timeout
-                )  # let the eviction notice land
+                self._client.wait_for(lambda: False, self.heartbeat_timeout)  # eviction notice
                 self._check()
                 raise MeshEvicted(
                     f"{self.node_id} is not a member of epoch {target.number}; create a new mesh to rejoin"

@@ -2,7 +2,7 @@
 
 Usage:
   prime-train --config FILE.toml [--section.key VALUE ...]
-  prime-train plot RUN_DIR [--out FILE.png]
+  prime-train plot RUN_DIR [RUN_DIR ...] [--out FILE.png]
   prime-train export RUN_DIR [--step N] [--node K] --out DIR   (a Hugging Face Llama folder)
 
 Settings come from, highest first: command-line overrides (--train.steps 20), environment
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from prime_train.config_load import ConfigError, describe_fields, load_config
@@ -28,21 +29,25 @@ def _fail(msg: str) -> int:
 
 def _plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="prime-train plot", description="Draw the loss curve of a run into a PNG."
+        prog="prime-train plot",
+        description="Draw every node's loss into a PNG, marking outer steps where membership "
+        "changed. Give one run folder, or one per machine (each node has its own there).",
     )
-    parser.add_argument("run_dir", type=Path, help="a run folder, e.g. runs/debug")
+    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
+                        help="run folder(s), e.g. runs/debug")  # fmt: skip
     parser.add_argument(
-        "--out", type=Path, default=None, help="PNG path (default RUN_DIR/loss.png)"
+        "--out", type=Path, default=None, help="PNG path (default FIRST_RUN_DIR/loss.png)"
     )
     args = parser.parse_args(argv)
-    from prime_train.metrics import plot_run
+    from prime_train.plot import node_files, plot_runs
 
-    if not (args.run_dir / "metrics.jsonl").is_file():
-        return _fail(f"{args.run_dir} has no metrics.jsonl; pass a run folder such as runs/debug")
+    for run_dir in args.run_dirs:
+        if not node_files(run_dir):
+            return _fail(f"{run_dir} has no metrics.jsonl; pass a run folder such as runs/debug")
     try:
-        out = plot_run(args.run_dir, args.out)
+        out = plot_runs(args.run_dirs, args.out)
     except (FileNotFoundError, OSError) as e:
-        return _fail(f"cannot plot {args.run_dir}: {e}")
+        return _fail(f"cannot plot {' '.join(map(str, args.run_dirs))}: {e}")
     print(f"wrote {out}")
     return 0
 
@@ -112,14 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     launched = launcher_index() is not None or "LOCAL_RANK" in os.environ  # launcher, torchrun
     several = cfg.launch.local_nodes > 1 or cfg.launch.ranks_per_node > 1
     if several and not launched and not cfg.mesh.coordinator:
+        from prime_mesh import MeshError
         from prime_train.launch import launch_local_nodes, local_coordinator
 
-        return launch_local_nodes(
-            argv,
-            cfg.launch.local_nodes,
-            local_coordinator,
-            ranks_per_node=cfg.launch.ranks_per_node,
-        )
+        coordinator = partial(local_coordinator, status_port=cfg.launch.status_port)
+        try:
+            return launch_local_nodes(
+                argv, cfg.launch.local_nodes, coordinator, ranks_per_node=cfg.launch.ranks_per_node
+            )
+        except (MeshError, OSError) as e:  # the status page: extra missing, port taken
+            return _fail(str(e))
 
     from prime_mesh import MeshError
     from prime_train.diloco import OuterStepFailed

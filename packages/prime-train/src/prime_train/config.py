@@ -27,6 +27,10 @@ class RunConfig(Section):
     runs_dir: Path = Field(Path("runs"), description="folder holding one sub-folder per run")
     seed: int = Field(0, ge=0, description="seed for weights and data order")
     log_every: int = Field(10, ge=1, description="print and record a progress line every N steps")
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="also log metrics rows to 'tensorboard' (RUN_DIR/tensorboard) and/or 'wandb'",
+    )
 
     @field_validator("name")
     @classmethod
@@ -137,6 +141,12 @@ class LaunchConfig(Section):
     ranks_per_node: int = Field(
         1, ge=1, le=64, description="ranks (processes, FSDP2 shards) of each simulated node"
     )
+    status_port: int | None = Field(
+        None,
+        ge=0,
+        lt=65536,
+        description="local launcher: serve the mesh status page on 127.0.0.1:PORT (0: a free one)",
+    )
 
 
 class MeshConfig(Section):
@@ -216,6 +226,8 @@ class Config(Section):
         """What must match to resume a run: everything but logging and where peers live."""
         d = self.saved()
         d["run"].pop("log_every")
+        d["run"].pop("trackers")  # where a run is watched from is not what it trains
+        d["launch"].pop("status_port")
         d.pop("mesh")
         d["data"].pop("workers")  # how fast tokens are made, not which
         if self.model.init_from is not None:  # the weights, wherever the folder lives

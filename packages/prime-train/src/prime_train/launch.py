@@ -232,8 +232,9 @@ def _wait_all(
 
 
 @contextmanager
-def local_coordinator(nodes: int) -> Iterator[Any]:
-    """A mesh coordinator in this process for `nodes` local nodes (has .address, .status())."""
+def local_coordinator(nodes: int, status_port: int | None = None) -> Iterator[Any]:
+    """A mesh coordinator in this process for `nodes` local nodes (has .address, .status());
+    with `status_port`, it also serves the status page on 127.0.0.1 and prints its URL."""
     import logging
 
     from prime_mesh import Coordinator
@@ -248,6 +249,9 @@ def local_coordinator(nodes: int) -> Iterator[Any]:
 
     coordinator = Coordinator("127.0.0.1", port=0, min_nodes=nodes).start()
     try:
+        if status_port is not None:
+            page = coordinator.serve_status("127.0.0.1", status_port)
+            print(f"[launch] status page at {page.url}", flush=True)
         yield coordinator
     finally:
         coordinator.close()

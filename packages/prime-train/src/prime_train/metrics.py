@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from prime_train.files import write_atomic
 
@@ -43,12 +43,21 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+class MetricsSink(Protocol):
+    """Somewhere else the same metrics rows go (the mesh's status page, experiment trackers)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
 class Metrics:
-    """Appends one JSON object per line; on resume drops records past the resumed step."""
+    """Appends one JSON object per line; on resume drops records past the resumed step.
+    Every row also goes to the added sinks (see `reporting`)."""
 
     def __init__(self, path: Path | None):
         self.path = path
         self._f: TextIO | None = None
+        self.sinks: list[MetricsSink] = []
 
     def open(self, resume_step: int) -> None:
         if self.path is None:
@@ -59,41 +68,24 @@ class Metrics:
         self._f = open(self.path, "a")  # noqa: SIM115 - kept open for the whole run
 
     def write(self, record: dict[str, Any]) -> None:
+        row = {**record, "time": round(time.time(), 3)}
         if self._f is not None:
-            self._f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+            self._f.write(json.dumps(row) + "\n")
             self._f.flush()
+        for sink in self.sinks:
+            sink.write(row)
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks.clear()
         if self._f is not None:
             self._f.close()
             self._f = None
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Draw train and held-out loss against step from RUN_DIR/metrics.jsonl into a PNG."""
-    import matplotlib
+    """Draw every node's train and held-out loss in RUN_DIR into a PNG (see `plot.plot_runs`)."""
+    from prime_train.plot import plot_runs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = run_dir / "metrics.jsonl"
-    records = read_metrics(metrics)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    held = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    if not train and not held:
-        raise FileNotFoundError(f"no loss records in {metrics}")
-    out = out or run_dir / "loss.png"
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
-    if held:
-        ax.plot(*zip(*held, strict=True), "o-", label="held-out loss", lw=1.5, ms=4)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(run_dir.name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return plot_runs([run_dir], out)

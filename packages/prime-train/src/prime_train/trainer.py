@@ -18,6 +18,7 @@ from prime_train.diloco import Diloco
 from prime_train.metrics import Log
 from prime_train.optim import lr_at
 from prime_train.placement import Placement, init_placement
+from prime_train.reporting import attach_reporting
 from prime_train.run import Run
 from prime_train.seam import OuterStep
 from prime_train.stop import StopSignal
@@ -97,15 +98,17 @@ def train(
     run: Run | None = None
     try:
         run = Run(cfg, placement, log)
-        if outer is None and placement.membership is not None:
+        mesh = placement.membership.mesh if placement.membership is not None else None
+        if outer is None and mesh is not None:
             outer = Diloco(
                 cfg.diloco,
-                placement.membership.mesh,
+                mesh,
                 run.params,
                 metrics=run.metrics,
                 log=log,
                 node_group=placement.group,
             )
+        attach_reporting(cfg, run, mesh)
         return train_loop(run, outer)
     finally:
         if run is not None:
