@@ -5,9 +5,18 @@ only through `Conn.send` (which queues). Liveness is judged by this process's mo
 from the heartbeats it receives, never by comparing clocks across machines.
 
 A node is one member however many local ranks it has: each local rank registers over its own
-connection with the node's shared key, the node becomes a joiner once all of them are
-registered, and losing any of them evicts the whole node, so every inter-node group (one per
-local rank) drops it in the same epoch.
+connection with the node's shared key, and losing any of them evicts the whole node, so every
+inter-node group (one per local rank) drops it in the same epoch.
+
+A node's states (`status()` shows them):
+    registering: some of its local ranks have not registered yet;
+    waiting:     all registered and heartbeating, but not every local rank has said it is
+                 ready (a joiner still fetching a checkpoint): never admitted, never waited for;
+    joining:     ready; admitted at the members' next sync point, in the order nodes became
+                 ready (or forms the first epoch once `min_nodes` nodes are joining);
+    member:      in the current epoch.
+A local rank is ready at registration unless it registered with `ready: False`; it says so
+later with a `ready` message. A node that dies before it is a member changes no epoch.
 """
 
 from __future__ import annotations
@@ -39,10 +48,15 @@ class Node:
     conns: dict[int, Conn] = field(default_factory=dict)
     last_seen: dict[int, float] = field(default_factory=dict)
     member: bool = False
+    ready_ranks: set[int] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
         return len(self.conns) == self.local_world_size
+
+    @property
+    def ready(self) -> bool:
+        return len(self.ready_ranks) == self.local_world_size
 
 
 class Refused(Exception):
@@ -57,7 +71,7 @@ class Membership:
         self.prefix = ""
         self.members: list[str] = []  # node keys, in rank order
         self.nodes: dict[str, Node] = {}
-        self.joiners: list[str] = []  # complete nodes waiting for the next sync point
+        self.joiners: list[str] = []  # complete, ready nodes, admitted at the next sync point
         self.gone: set[str] = set()
         self._seq = 0
         self._barrier: dict[tuple[str, int], tuple[Conn, int, bool, bool]] = {}
@@ -101,12 +115,24 @@ class Membership:
             node.metadata = metadata
         node.conns[lr] = conn
         node.last_seen[lr] = self.clock()
+        if msg.get("ready", True) is not False:  # absent: a client from before the waiting state
+            node.ready_ranks.add(lr)
         log.info("%s local rank %d/%d registered from %s", node.node_id, lr, lws, conn.peer)
-        if node.complete:
-            self.joiners.append(key)
-            log.info("%s is waiting to join (metadata %s)", node.node_id, node.metadata)
-            self._maybe_bootstrap()
+        if node.complete and not node.ready:
+            log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
+        self._maybe_queue(node)
         return node
+
+    def ready(self, node: Node, lr: int) -> None:
+        """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""
+        node.ready_ranks.add(lr)
+        self._maybe_queue(node)
+
+    def _maybe_queue(self, node: Node) -> None:
+        if node.complete and node.ready and not node.member and node.key not in self.joiners:
+            self.joiners.append(node.key)
+            log.info("%s is ready to join (metadata %s)", node.node_id, node.metadata)
+            self._maybe_bootstrap()
 
     def heartbeat(self, node: Node, lr: int) -> None:
         node.last_seen[lr] = self.clock()
@@ -232,6 +258,14 @@ class Membership:
             "members": [self.nodes[k].node_id for k in self.members],
         }
 
+    def state_of(self, node: Node) -> str:
+        """registering, waiting, joining or member (see the module docstring)."""
+        if node.member:
+            return "member"
+        if node.key in self.joiners:
+            return "joining"
+        return "waiting" if node.complete else "registering"
+
     @staticmethod
     def _reply(req: int, **fields: Any) -> dict:
         return {"type": "reply", "id": req, **fields}
@@ -244,9 +278,7 @@ class Membership:
             return {
                 "node_id": node.node_id,
                 "rank": self.members.index(node.key) if node.member else None,
-                "state": "member"
-                if node.member
-                else ("joining" if node.complete else "registering"),
+                "state": self.state_of(node),
                 "local_world_size": node.local_world_size,
                 "last_heartbeat_age": max(ages) if ages else None,
                 "metadata": node.metadata,

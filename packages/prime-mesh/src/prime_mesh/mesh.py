@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import torch.distributed as dist
-from torch.distributed import ProcessGroupGloo
 
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.deadline import CollectiveDeadline
-from prime_mesh.errors import CoordinatorLost, MeshClosed, MeshError, MeshEvicted
+from prime_mesh.epoch import Epoch, build_group, connect_store
+from prime_mesh.errors import MeshClosed, MeshError, MeshEvicted
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.wire import resolve_token
 
@@ -26,25 +23,20 @@ log = logging.getLogger("prime_mesh")
 _RETIRED: list[Any] = []
 
 
-@dataclass(frozen=True)
-class Epoch:
-    number: int
-    prefix: str
-    members: tuple[str, ...]
-
-    @classmethod
-    def parse(cls, info: dict) -> Epoch:
-        return cls(int(info["epoch"]), str(info["prefix"]), tuple(info["members"]))
-
-
 class ElasticDeviceMesh:
     """Joins a run through its coordinator and keeps this local rank's inter-node gloo group.
 
     Local rank r of every node is in inter-node group r; `global_pg` is that group for the
     current epoch, `global_rank`/`global_world_size` this node's place in it. Call
     `maybe_reinit_global_pg()` at every sync point (on every node), pass `should_abort` to
-    collectives, and vote with `should_commit(ok)` before applying a step. The constructor
-    blocks until the node is admitted (at the members' next sync point) unless `wait=False`.
+    collectives, and vote with `should_commit(ok)` before applying a step.
+
+    The constructor blocks until the node is admitted (at the members' next sync point, or
+    when the run forms) unless `wait=False`. With `wait_until_ready=True` it returns once
+    registered: the node waits, visible in `members()` but never admitted nor waited for,
+    until `ready()`. Either way the sync point that admits a node counts as its own: its
+    first `maybe_reinit_global_pg()` returns the new group, so it enters the members' next
+    collective (loop: sync point, then collective).
     """
 
     def __init__(
@@ -60,6 +52,7 @@ class ElasticDeviceMesh:
         local_world_size: int | None = None,
         node_key: str | None = None,
         wait: bool = True,
+        wait_until_ready: bool = False,
         join_timeout: float | None = None,
         connect_timeout: float = 10.0,
         pg_timeout: float = 600.0,
@@ -87,6 +80,9 @@ class ElasticDeviceMesh:
         self._suspect = False
         self._vote_seq = 0
         self._closed = False
+        self._ready = not wait_until_ready
+        self._fresh = False  # admitted by the constructor; its first sync point has passed
+        self._connect_timeout = connect_timeout
         self._local_mesh: Any = None
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
         node_key = shared_node_key(self.local_world_size, node_key)
@@ -108,6 +104,7 @@ class ElasticDeviceMesh:
                     "local_world_size": self.local_world_size,
                     "metadata": self.metadata,
                     "heartbeat_timeout": heartbeat_timeout,
+                    "ready": self._ready,
                 },
                 timeout=connect_timeout,
                 what="the coordinator to answer the registration",
@@ -115,21 +112,9 @@ class ElasticDeviceMesh:
             self._client.start_heartbeats()
             self.node_id: str = reply["node_id"]
             store_host = reply["store"][0] or self._client.coordinator_host
-            try:
-                self._store = dist.TCPStore(
-                    store_host,
-                    int(reply["store"][1]),
-                    None,
-                    False,
-                    timeout=datetime.timedelta(seconds=connect_timeout),
-                    wait_for_workers=False,
-                )
-            except (RuntimeError, OSError) as e:
-                raise CoordinatorLost(
-                    f"cannot reach the coordinator's rendezvous store at {store_host}:{reply['store'][1]} "
-                    f"({e}); open that port too, or start the coordinator with --advertise-host"
-                ) from None
-            self._store.set_timeout(datetime.timedelta(seconds=pg_timeout))
+            self._store = connect_store(
+                store_host, int(reply["store"][1]), connect_timeout, pg_timeout
+            )
             if reply.get("epoch"):
                 self._on_message({"type": "epoch", "epoch": reply["epoch"]})
             log.info(
@@ -139,8 +124,9 @@ class ElasticDeviceMesh:
                 coordinator,
                 self.host,
             )
-            if wait:
+            if wait and self._ready:
                 self._admit(join_timeout)
+                self._fresh = True
         except BaseException:
             self._client.close()
             raise
@@ -152,11 +138,25 @@ class ElasticDeviceMesh:
         Blocks until every member reached its sync point (a node that died meanwhile is evicted
         within heartbeat_timeout + one interval). Returns True when this node now holds a new
         group (new members, or a fresh group after a failed collective), False when unchanged.
-        A node not yet admitted blocks here until it is, then returns True.
+
+        A node's first call belongs to the sync point that admitted it (or formed the run) and
+        returns True with that group: without waiting when the constructor already waited for
+        admission, else once admitted (a waiting node says `ready()` first).
         """
         self._check()
         if self._epoch is None:
+            if not self._ready:
+                self.ready()
             self._admit(self._join_timeout)
+            return True
+        if self._fresh:
+            # The members passed this sync point when they admitted us and are now heading
+            # into the collective that follows it: syncing again would wait for their *next*
+            # sync point while they wait for us in the collective.
+            self._fresh = False
+            if self._newer_than(self._epoch.number):  # what a stale sync request would return
+                assert self._latest is not None
+                self._install(self._latest)
             return True
         reply = self._client.request(
             {
@@ -174,6 +174,33 @@ class ElasticDeviceMesh:
             return False
         self._install(self._latest)
         return True
+
+    def ready(self) -> None:
+        """Say this local rank is ready to train (after fetching and loading the run's state).
+
+        Only meaningful with `wait_until_ready=True`: the node is admitted at the members'
+        next sync point once every one of its local ranks said so (or forms the first epoch
+        with the others once `min_nodes` nodes are ready). Returns without waiting for that;
+        `maybe_reinit_global_pg()` then waits and returns the new group. A no-op when ready.
+        """
+        self._check()
+        if self._ready:
+            return
+        self._client.request(
+            {"type": "ready"},
+            timeout=self._connect_timeout,
+            what="the coordinator to acknowledge ready()",
+        )
+        self._ready = True
+
+    @property
+    def state(self) -> str:
+        """This local rank's view: "waiting" (not ready), "joining" (ready, not admitted
+        yet) or "member" (holds a group). `members()` has the coordinator's view of all."""
+        self._check()
+        if self._epoch is not None:
+            return "member"
+        return "joining" if self._ready else "waiting"
 
     def should_abort(self) -> bool:
         """True once a newer epoch exists than the one the current group belongs to."""
@@ -212,11 +239,14 @@ class ElasticDeviceMesh:
         return result
 
     def members(self) -> list[dict]:
-        """Every node the coordinator knows (members in rank order, then joiners) with its
-        node_id, rank, state, local_world_size, last_heartbeat_age and metadata."""
+        """Every node the coordinator knows (members in rank order, then the others) with its
+        node_id, rank (None unless a member), state ("member", "joining": ready and admitted at
+        the next sync point, "waiting": not ready yet, "registering": local ranks missing),
+        local_world_size, last_heartbeat_age and metadata."""
         return list(self.status()["nodes"])
 
     def status(self) -> dict:
+        """The coordinator's view: epoch, min_nodes and `nodes` (as `members()`)."""
         self._check()
         return dict(self._client.request({"type": "status"})["status"])
 
@@ -379,14 +409,8 @@ class ElasticDeviceMesh:
 
     def _build(self, target: Epoch, box: dict) -> None:
         try:
-            store = dist.PrefixStore(
-                f"prime-mesh/{target.prefix}/{self.local_rank}", self._store.clone()
-            )
-            opts = ProcessGroupGloo._Options()
-            opts._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
-            opts._timeout = datetime.timedelta(seconds=self._pg_timeout)
-            box["pg"] = ProcessGroupGloo(
-                store, target.members.index(self.node_id), len(target.members), opts
+            box["pg"] = build_group(
+                self._store, target, self.node_id, self.local_rank, self.host, self._pg_timeout
             )
         except Exception as e:  # reported to the waiting thread
             box["err"] = e
