@@ -50,8 +50,9 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
     assert m.epoch == 0 and _states(m) == {"a": "waiting", "b": "joining"}
     m.ready(a, 0)
     assert m.epoch == 1 and _states(m) == {"a": "member", "b": "member"}
-    # the run forms in the order nodes became ready
+    # the run forms in the order nodes became ready; no sync point admitted them
     assert m.epoch_info()["members"] == [b.node_id, a.node_id]
+    assert m.epoch_info()["joined"] == []
 
     # a waiting node is visible (with its metadata) but sync points do not admit it
     c, cc = _register(m, "c", ready=False)
@@ -65,6 +66,7 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
     assert m.epoch == 1 and _states(m)["c"] == "joining"  # only at the next sync point
     _sync_all(m, [(a, ca), (b, cb)])
     assert m.epoch == 2 and m.epoch_info()["members"][-1] == c.node_id
+    assert m.epoch_info()["joined"] == [c.node_id]  # its first sync point is this one
     assert [msg for msg in cc.sent if msg.get("type") == "epoch"][-1]["epoch"]["epoch"] == 2
 
 

@@ -14,15 +14,22 @@ from prime_mesh.errors import CoordinatorLost
 
 @dataclass(frozen=True)
 class Epoch:
-    """An epoch pushed by the coordinator: its number, group prefix and members in rank order."""
+    """An epoch pushed by the coordinator: its number, group prefix, members in rank order,
+    and the members admitted at the sync point that made it (those skip their first one)."""
 
     number: int
     prefix: str
     members: tuple[str, ...]
+    joined: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, info: dict) -> Epoch:
-        return cls(int(info["epoch"]), str(info["prefix"]), tuple(info["members"]))
+        return cls(
+            int(info["epoch"]),
+            str(info["prefix"]),
+            tuple(info["members"]),
+            tuple(info.get("joined", ())),
+        )
 
 
 def build_group(

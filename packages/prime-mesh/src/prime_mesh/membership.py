@@ -69,6 +69,7 @@ class Membership:
         self.clock = clock
         self.epoch = 0
         self.prefix = ""
+        self.joined: list[str] = []  # node ids admitted at the sync point that made this epoch
         self.members: list[str] = []  # node keys, in rank order
         self.nodes: dict[str, Node] = {}
         self.joiners: list[str] = []  # complete, ready nodes, admitted at the next sync point
@@ -189,11 +190,15 @@ class Membership:
                     break
 
     # ---- epochs --------------------------------------------------------------------------
-    def _new_epoch(self, members: list[str], why: str) -> None:
+    def _new_epoch(self, members: list[str], why: str, joined: list[str] | None = None) -> None:
         self.epoch += 1
         self.prefix = secrets.token_hex(
             16
         )  # 128 bits, only ever sent over the authenticated channel
+        # Nodes admitted at the members' sync point: that sync point counts as theirs, so their
+        # first one must not wait for the members' next (nodes that formed the run meet at
+        # their first sync point, as no sync point admitted them).
+        self.joined = [self.nodes[k].node_id for k in joined or []]
         for key in self.members:
             if key in self.nodes and key not in members:
                 self.nodes[key].member = False
@@ -231,7 +236,9 @@ class Membership:
         if admit or failed:
             joiners = list(self.joiners) if admit else []
             why = "admitted " + ", ".join(self.nodes[k].node_id for k in joiners) if joiners else ""
-            self._new_epoch(self.members + joiners, why or "rebuilt after a failed collective")
+            self._new_epoch(
+                self.members + joiners, why or "rebuilt after a failed collective", joiners
+            )
         else:
             info = self.epoch_info()
             for conn, req, _, _ in entries:
@@ -256,6 +263,7 @@ class Membership:
             "epoch": self.epoch,
             "prefix": self.prefix,
             "members": [self.nodes[k].node_id for k in self.members],
+            "joined": self.joined,
         }
 
     def state_of(self, node: Node) -> str:

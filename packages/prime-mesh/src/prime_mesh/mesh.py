@@ -81,7 +81,8 @@ class ElasticDeviceMesh:
         self._vote_seq = 0
         self._closed = False
         self._ready = not wait_until_ready
-        self._fresh = False  # admitted by the constructor; its first sync point has passed
+        self._fresh = False  # admitted at a sync point the members passed, not yet used
+        self._joined: set[str] = set()  # node ids admitted at a members' sync point (so far)
         self._connect_timeout = connect_timeout
         self._local_mesh: Any = None
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
@@ -126,7 +127,6 @@ class ElasticDeviceMesh:
             )
             if wait and self._ready:
                 self._admit(join_timeout)
-                self._fresh = True
         except BaseException:
             self._client.close()
             raise
@@ -139,20 +139,22 @@ class ElasticDeviceMesh:
         within heartbeat_timeout + one interval). Returns True when this node now holds a new
         group (new members, or a fresh group after a failed collective), False when unchanged.
 
-        A node's first call belongs to the sync point that admitted it (or formed the run) and
-        returns True with that group: without waiting when the constructor already waited for
-        admission, else once admitted (a waiting node says `ready()` first).
+        A node not admitted yet waits for admission here (a waiting node says `ready()`
+        first). A node admitted at the members' sync point counts that one as its own: its
+        first call returns True with the new group without waiting for the members' next
+        sync point. Nodes that formed the run meet at their first sync point.
         """
         self._check()
+        new = False
         if self._epoch is None:
             if not self._ready:
                 self.ready()
             self._admit(self._join_timeout)
-            return True
+            new = True
         if self._fresh:
-            # The members passed this sync point when they admitted us and are now heading
-            # into the collective that follows it: syncing again would wait for their *next*
-            # sync point while they wait for us in the collective.
+            # The members passed the sync point that admitted us and are heading into the
+            # collective that follows it: syncing again would wait for their *next* sync point
+            # while they wait for us in the collective.
             self._fresh = False
             if self._newer_than(self._epoch.number):  # what a stale sync request would return
                 assert self._latest is not None
@@ -171,7 +173,7 @@ class ElasticDeviceMesh:
         assert self._latest is not None
         if self._latest.number == self._epoch.number:
             self._suspect = False
-            return False
+            return new
         self._install(self._latest)
         return True
 
@@ -322,6 +324,7 @@ class ElasticDeviceMesh:
     def _on_message(self, msg: dict) -> None:
         if msg.get("type") == "epoch" and msg.get("epoch"):
             e = Epoch.parse(msg["epoch"])
+            self._joined.update(e.joined)  # before a newer epoch replaces it in _latest
             if self._latest is None or e.number > self._latest.number:
                 self._latest = e
 
@@ -349,6 +352,7 @@ class ElasticDeviceMesh:
             )
         assert self._latest is not None
         self._install(self._latest)
+        self._fresh = self.node_id in self._joined
 
     def _install(self, target: Epoch) -> None:
         """Build the group of `target` (or of any newer epoch that appears meanwhile)."""
