@@ -3,8 +3,13 @@ wait_until_ready=True are visible but never admitted nor waited for until ready(
 that dies (SIGKILL) or stalls (SIGSTOP) meanwhile is dropped without disturbing the members.
 """
 
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from mesh_node import BOUND, HB_TIMEOUT, mesh_nodes
@@ -13,6 +18,7 @@ from prime_mesh import Coordinator
 from prime_testkit import wait_until
 
 TOKEN = "test-token-waiting"
+CLI = str(Path(sys.executable).parent / "prime-mesh")
 
 
 def _states(coordinator) -> dict[str, str]:
@@ -59,6 +65,18 @@ def test_waiting_joiners_are_visible_never_waited_for_and_admitted_when_ready(ch
         seen_by_w = cluster.expect("w", "members")["members"]
         donors = sorted(m["metadata"]["serve_url"] for m in seen_by_w if m["state"] == "member")
         assert donors == ["http://a", "http://b"]
+
+        env = {**os.environ, "PRIME_TOKEN": TOKEN}
+        out = subprocess.run(
+            [CLI, "status", "--coordinator", coord.address],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "2 members, 0 joining, 3 waiting, 0 registering" in out.stdout, out.stdout
+        assert len(re.findall(r"node-\d +waiting +rank - .*http://[ksw]", out.stdout)) == 3
 
         # Sync points do not admit them and collectives go on over the two members.
         for _ in range(2):
