@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,41 @@ class Epoch:
             tuple(info["members"]),
             tuple(info.get("joined", ())),
         )
+
+
+# Replaced groups are kept, never destroyed: a gloo group whose collective is stuck on a lost
+# peer blocks (holding the GIL) in its destructor until that peer's process exits.
+_RETIRED: list[Any] = []
+
+
+def retire(pg: Any) -> None:
+    """Keep a replaced group alive for good (see _RETIRED)."""
+    _RETIRED.append(pg)
+
+
+def start_build(
+    store: Any,
+    epoch: Epoch,
+    node_id: str,
+    local_rank: int,
+    host: str,
+    timeout: float,
+    done: Callable[[], None],
+) -> dict:
+    """Build the group in a helper thread, so a caller waiting on the coordinator can abandon
+    it for a newer epoch; the returned dict gets "pg" or "err", then `done()` is called."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["pg"] = build_group(store, epoch, node_id, local_rank, host, timeout)
+        except Exception as e:  # reported to the waiting thread
+            box["err"] = e
+        finally:
+            done()
+
+    threading.Thread(target=run, name=f"mesh-build-{epoch.number}", daemon=True).start()
+    return box
 
 
 def build_group(

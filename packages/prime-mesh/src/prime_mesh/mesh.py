@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -11,16 +10,12 @@ import msgpack
 
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.deadline import CollectiveDeadline
-from prime_mesh.epoch import Epoch, build_group, connect_store
+from prime_mesh.epoch import Epoch, connect_store, retire, start_build
 from prime_mesh.errors import MeshClosed, MeshError, MeshEvicted
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh")
-
-# Replaced groups are kept, never destroyed: a gloo group whose collective is stuck on a lost
-# peer blocks (holding the GIL) in its destructor until that peer's process exits.
-_RETIRED: list[Any] = []
 
 
 class ElasticDeviceMesh:
@@ -298,7 +293,7 @@ class ElasticDeviceMesh:
             return
         self._closed = True
         if self._pg is not None:
-            _RETIRED.append(self._pg)
+            retire(self._pg)
         self._client.leave()
         self._client.close()
         log.info("%s local rank %d left the run", self.node_id, self.local_rank)
@@ -370,14 +365,21 @@ class ElasticDeviceMesh:
                 raise MeshEvicted(
                     f"{self.node_id} is not a member of epoch {target.number}; create a new mesh to rejoin"
                 )
-            box: dict[str, Any] = {}
-            threading.Thread(target=self._build, args=(target, box), daemon=True).start()
+            box = start_build(
+                self._store,
+                target,
+                self.node_id,
+                self.local_rank,
+                self.host,
+                self._pg_timeout,
+                done=self._client.notify,
+            )
             n = target.number
             self._client.wait_for(lambda b=box, n=n: bool(b) or self._newer_than(n), None)
             self._check()
             if "pg" in box:
                 if self._pg is not None:
-                    _RETIRED.append(self._pg)
+                    retire(self._pg)
                 self._pg, self._epoch = box["pg"], target
                 self._vote_seq, self._suspect = 0, False
                 log.info(
@@ -410,13 +412,3 @@ class ElasticDeviceMesh:
                 {"type": "sync", "epoch": target.number, "admit": False, "failed": True}
             )
             self._on_message({"type": "epoch", "epoch": reply["epoch"]})
-
-    def _build(self, target: Epoch, box: dict) -> None:
-        try:
-            box["pg"] = build_group(
-                self._store, target, self.node_id, self.local_rank, self.host, self._pg_timeout
-            )
-        except Exception as e:  # reported to the waiting thread
-            box["err"] = e
-        finally:
-            self._client.notify()
