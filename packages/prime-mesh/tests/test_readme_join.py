@@ -159,3 +159,22 @@ def test_readme_joiner_waits_without_blocking_the_members(children, tmp_path):
     epoch = check_join(members, joiner)
     for m in members:  # not admitted until it said ready(): members kept epoch 1 meanwhile
         assert {s[1] for s in m.steps() if s[1] < epoch} == {1}
+
+
+@pytest.mark.timeout(300)
+def test_readme_examples_alone(children, tmp_path):
+    """`python example.py` with its own coordinator; `joiner.py` forming a job by itself."""
+    write_examples(tmp_path)
+    alone = Proc(children, [sys.executable, "example.py"], tmp_path)
+    assert alone.p.wait(timeout=WAIT) == 0, alone.text()
+    assert [(s[0], s[1], s[3], s[4]) for s in alone.steps()] == [
+        (step, 1, 1, [float(step)] * 4) for step in range(3)
+    ], alone.text()
+    assert "'state': 'member'" in alone.text()
+
+    _, address = start_coordinator(children, 1, tmp_path)
+    first = Proc(children, [sys.executable, "joiner.py", address, "3"], tmp_path)
+    assert first.p.wait(timeout=WAIT) == 0, first.text()
+    # no members to fetch from: it says ready() and forms the job (min_nodes 1) by itself
+    assert "waiting: fetching from []" in first.text()
+    assert [(s[0], s[1], s[3]) for s in first.steps()] == [(step, 1, 1) for step in range(3)]
