@@ -88,9 +88,15 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
     def error(e: BaseException) -> None:
         report("error", type=type(e).__name__, msg=str(e))
 
+    def joined() -> None:
+        if mesh.state == "member":
+            report("joined", **info())
+        else:  # wait_until_ready=True or wait=False: registered, not admitted
+            report("registered", node_id=mesh.node_id, state=mesh.state)
+
     try:
         mesh = _mesh(coordinator, token, kwargs)
-        report("joined", **info())
+        joined()
     except Exception as e:
         error(e)
         return
@@ -143,6 +149,9 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 start = time.monotonic()
                 changed = mesh.maybe_reinit_global_pg(admit_joiners=arg.get("admit", True))
                 report("reinit", changed=changed, elapsed=time.monotonic() - start, **info())
+            elif cmd == "ready":
+                mesh.ready()
+                report("ready", state=mesh.state)
             elif cmd == "vote":
                 report("vote", result=mesh.should_commit(arg["ok"]))
             elif cmd == "members":
@@ -158,7 +167,7 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 old, mesh = mesh, None
                 old.close()
                 mesh = _mesh(coordinator, token, arg.get("kwargs", {}))
-                report("joined", **info())
+                joined()
             elif cmd == "local":
                 lm = mesh.local_mesh
                 report(

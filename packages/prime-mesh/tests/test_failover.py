@@ -98,9 +98,17 @@ def test_sigkill_vote_join_and_leave(children, coordinator):
     for n in survivors:
         r = cluster.expect(n, "reinit", timeout=BOUND + 30)
         assert r["changed"] and r["world"] == 4 and r["epoch"] == e["epoch"]
+    # The sync point that admitted it is its own: its first one returns that group at once
+    # (the members are not at a sync point now), and it meets them in the next collective.
+    cluster.send("e", "reinit")
+    r = cluster.expect("e", "reinit", timeout=BOUND)
+    assert r["changed"] and (r["epoch"], r["rank"], r["world"]) == (e["epoch"], 3, 4), r
     value["e"] = 10.0
     got = _allreduce(cluster, {n: value[n] for n in [*survivors, "e"]})
     assert all(kind == "ok" and kw["mean"] == 4.0 for kind, kw in got.values()), got
+    # ...and its next one is the members' next sync point, as for everyone
+    cluster.send([*survivors, "e"], "reinit")
+    assert [cluster.expect(n, "reinit")["changed"] for n in [*survivors, "e"]] == [False] * 4
 
     # Graceful leave: the others see the new epoch at once (no heartbeat timeout to wait).
     cluster.send("b", "close")

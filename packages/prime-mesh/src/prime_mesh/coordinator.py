@@ -58,7 +58,7 @@ class Coordinator:
 
     `Coordinator(host, port=0, token=None, min_nodes=1).start()`; `.address` is "host:port"
     to give nodes; `.close()` stops it. The token defaults to env PRIME_TOKEN. The first epoch
-    forms once `min_nodes` nodes are registered; later nodes join at sync points.
+    forms once `min_nodes` nodes are registered and ready; later nodes join at sync points.
     """
 
     def __init__(
@@ -260,6 +260,9 @@ class Coordinator:
                 conn.send({"type": "ack", "epoch": self.state.epoch})
             elif kind == "sync":
                 self.state.sync(node, lr, conn, req, msg)
+            elif kind == "ready":
+                self.state.ready(node, lr)
+                conn.send({"type": "reply", "id": req, "state": self.state.state_of(node)})
             elif kind == "vote":
                 self.state.vote(node, lr, conn, req, msg)
             elif kind == "leave":

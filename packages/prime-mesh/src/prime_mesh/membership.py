@@ -5,9 +5,18 @@ only through `Conn.send` (which queues). Liveness is judged by this process's mo
 from the heartbeats it receives, never by comparing clocks across machines.
 
 A node is one member however many local ranks it has: each local rank registers over its own
-connection with the node's shared key, the node becomes a joiner once all of them are
-registered, and losing any of them evicts the whole node, so every inter-node group (one per
-local rank) drops it in the same epoch.
+connection with the node's shared key, and losing any of them evicts the whole node, so every
+inter-node group (one per local rank) drops it in the same epoch.
+
+A node's states (`status()` shows them):
+    registering: some of its local ranks have not registered yet;
+    waiting:     all registered and heartbeating, but not every local rank has said it is
+                 ready (a joiner still fetching a checkpoint): never admitted, never waited for;
+    joining:     ready; admitted at the members' next sync point, in the order nodes became
+                 ready (or forms the first epoch once `min_nodes` nodes are joining);
+    member:      in the current epoch.
+A local rank is ready at registration unless it registered with `ready: False`; it says so
+later with a `ready` message. A node that dies before it is a member changes no epoch.
 """
 
 from __future__ import annotations
@@ -42,10 +51,15 @@ class Node:
     last_seen: dict[int, float] = field(default_factory=dict)
     member: bool = False
     address: str = ""  # as the coordinator sees local rank 0's connection
+    ready_ranks: set[int] = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
         return len(self.conns) == self.local_world_size
+
+    @property
+    def ready(self) -> bool:
+        return len(self.ready_ranks) == self.local_world_size
 
 
 class Refused(Exception):
@@ -58,9 +72,10 @@ class Membership:
         self.clock = clock
         self.epoch = 0
         self.prefix = ""
+        self.joined: list[str] = []  # node ids admitted at the sync point that made this epoch
         self.members: list[str] = []  # node keys, in rank order
         self.nodes: dict[str, Node] = {}
-        self.joiners: list[str] = []  # complete nodes waiting for the next sync point
+        self.joiners: list[str] = []  # complete, ready nodes, admitted at the next sync point
         self.gone: set[str] = set()
         self._seq = 0
         self._barrier: dict[tuple[str, int], tuple[Conn, int, bool, bool]] = {}
@@ -106,12 +121,24 @@ class Membership:
             node.address = conn.peer.rpartition(":")[0]
         node.conns[lr] = conn
         node.last_seen[lr] = self.clock()
+        if msg.get("ready", True) is not False:  # absent: a client from before the waiting state
+            node.ready_ranks.add(lr)
         log.info("%s local rank %d/%d registered from %s", node.node_id, lr, lws, conn.peer)
-        if node.complete:
-            self.joiners.append(key)
-            log.info("%s is waiting to join (metadata %s)", node.node_id, node.metadata)
-            self._maybe_bootstrap()
+        if node.complete and not node.ready:
+            log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
+        self._maybe_queue(node)
         return node
+
+    def ready(self, node: Node, lr: int) -> None:
+        """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""
+        node.ready_ranks.add(lr)
+        self._maybe_queue(node)
+
+    def _maybe_queue(self, node: Node) -> None:
+        if node.complete and node.ready and not node.member and node.key not in self.joiners:
+            self.joiners.append(node.key)
+            log.info("%s is ready to join (metadata %s)", node.node_id, node.metadata)
+            self._maybe_bootstrap()
 
     def heartbeat(self, node: Node, lr: int, progress: Any = None) -> None:
         node.last_seen[lr] = self.clock()
@@ -177,12 +204,20 @@ class Membership:
 
     # ---- epochs --------------------------------------------------------------------------
     def _new_epoch(
-        self, members: list[str], why: str, event: tuple[str, str | None, str] | None = None
+        self,
+        members: list[str],
+        why: str,
+        event: tuple[str, str | None, str] | None = None,
+        joined: list[str] | None = None,
     ) -> None:
         self.epoch += 1
         self.prefix = secrets.token_hex(
             16
         )  # 128 bits, only ever sent over the authenticated channel
+        # Nodes admitted at the members' sync point: that sync point counts as theirs, so their
+        # first one must not wait for the members' next (nodes that formed the run meet at
+        # their first sync point, as no sync point admitted them).
+        self.joined = [self.nodes[k].node_id for k in joined or []]
         for key in self.members:
             if key in self.nodes and key not in members:
                 self.nodes[key].member = False
@@ -227,6 +262,7 @@ class Membership:
                     self.members + joiners,
                     f"admitted {ids}",
                     ("joined", ids, "admitted at a sync point"),
+                    joined=joiners,
                 )
             else:
                 self._new_epoch(self.members, "rebuilt after a failed collective")
@@ -260,7 +296,16 @@ class Membership:
             "epoch": self.epoch,
             "prefix": self.prefix,
             "members": [self.nodes[k].node_id for k in self.members],
+            "joined": self.joined,
         }
+
+    def state_of(self, node: Node) -> str:
+        """registering, waiting, joining or member (see the module docstring)."""
+        if node.member:
+            return "member"
+        if node.key in self.joiners:
+            return "joining"
+        return "waiting" if node.complete else "registering"
 
     @staticmethod
     def _reply(req: int, **fields: Any) -> dict:
@@ -274,9 +319,7 @@ class Membership:
             return {
                 "node_id": node.node_id,
                 "rank": self.members.index(node.key) if node.member else None,
-                "state": "member"
-                if node.member
-                else ("joining" if node.complete else "registering"),
+                "state": self.state_of(node),
                 "local_world_size": node.local_world_size,
                 "last_heartbeat_age": max(ages) if ages else None,
                 "metadata": node.metadata,

@@ -2,40 +2,21 @@
 
 from __future__ import annotations
 
-import datetime
 import logging
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-import torch.distributed as dist
-from torch.distributed import ProcessGroupGloo
 
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.deadline import CollectiveDeadline
-from prime_mesh.errors import CoordinatorLost, MeshClosed, MeshError, MeshEvicted
+from prime_mesh.epoch import Epoch, connect_store, retire, start_build
+from prime_mesh.errors import MeshClosed, MeshError, MeshEvicted
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.progress import validate_progress
 from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh")
-
-# Replaced groups are kept, never destroyed: a gloo group whose collective is stuck on a lost
-# peer blocks (holding the GIL) in its destructor until that peer's process exits.
-_RETIRED: list[Any] = []
-
-
-@dataclass(frozen=True)
-class Epoch:
-    number: int
-    prefix: str
-    members: tuple[str, ...]
-
-    @classmethod
-    def parse(cls, info: dict) -> Epoch:
-        return cls(int(info["epoch"]), str(info["prefix"]), tuple(info["members"]))
 
 
 class ElasticDeviceMesh:
@@ -44,8 +25,14 @@ class ElasticDeviceMesh:
     Local rank r of every node is in inter-node group r; `global_pg` is that group for the
     current epoch, `global_rank`/`global_world_size` this node's place in it. Call
     `maybe_reinit_global_pg()` at every sync point (on every node), pass `should_abort` to
-    collectives, and vote with `should_commit(ok)` before applying a step. The constructor
-    blocks until the node is admitted (at the members' next sync point) unless `wait=False`.
+    collectives, and vote with `should_commit(ok)` before applying a step.
+
+    The constructor blocks until the node is admitted (at the members' next sync point, or
+    when the run forms) unless `wait=False`. With `wait_until_ready=True` it returns once
+    registered: the node waits, visible in `members()` but never admitted nor waited for,
+    until `ready()`. Either way the sync point that admits a node counts as its own: its
+    first `maybe_reinit_global_pg()` returns the new group, so it enters the members' next
+    collective (loop: sync point, then collective).
     """
 
     def __init__(
@@ -61,6 +48,7 @@ class ElasticDeviceMesh:
         local_world_size: int | None = None,
         node_key: str | None = None,
         wait: bool = True,
+        wait_until_ready: bool = False,
         join_timeout: float | None = None,
         connect_timeout: float = 10.0,
         pg_timeout: float = 600.0,
@@ -88,6 +76,10 @@ class ElasticDeviceMesh:
         self._suspect = False
         self._vote_seq = 0
         self._closed = False
+        self._ready = not wait_until_ready
+        self._fresh = False  # admitted at a sync point the members passed, not yet used
+        self._joined: set[str] = set()  # node ids admitted at a members' sync point (so far)
+        self._connect_timeout = connect_timeout
         self._local_mesh: Any = None
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
         node_key = shared_node_key(self.local_world_size, node_key)
@@ -109,6 +101,7 @@ class ElasticDeviceMesh:
                     "local_world_size": self.local_world_size,
                     "metadata": self.metadata,
                     "heartbeat_timeout": heartbeat_timeout,
+                    "ready": self._ready,
                 },
                 timeout=connect_timeout,
                 what="the coordinator to answer the registration",
@@ -116,21 +109,9 @@ class ElasticDeviceMesh:
             self._client.start_heartbeats()
             self.node_id: str = reply["node_id"]
             store_host = reply["store"][0] or self._client.coordinator_host
-            try:
-                self._store = dist.TCPStore(
-                    store_host,
-                    int(reply["store"][1]),
-                    None,
-                    False,
-                    timeout=datetime.timedelta(seconds=connect_timeout),
-                    wait_for_workers=False,
-                )
-            except (RuntimeError, OSError) as e:
-                raise CoordinatorLost(
-                    f"cannot reach the coordinator's rendezvous store at {store_host}:{reply['store'][1]} "
-                    f"({e}); open that port too, or start the coordinator with --advertise-host"
-                ) from None
-            self._store.set_timeout(datetime.timedelta(seconds=pg_timeout))
+            self._store = connect_store(
+                store_host, int(reply["store"][1]), connect_timeout, pg_timeout
+            )
             if reply.get("epoch"):
                 self._on_message({"type": "epoch", "epoch": reply["epoch"]})
             log.info(
@@ -140,7 +121,7 @@ class ElasticDeviceMesh:
                 coordinator,
                 self.host,
             )
-            if wait:
+            if wait and self._ready:
                 self._admit(join_timeout)
         except BaseException:
             self._client.close()
@@ -153,11 +134,27 @@ class ElasticDeviceMesh:
         Blocks until every member reached its sync point (a node that died meanwhile is evicted
         within heartbeat_timeout + one interval). Returns True when this node now holds a new
         group (new members, or a fresh group after a failed collective), False when unchanged.
-        A node not yet admitted blocks here until it is, then returns True.
+
+        A node not admitted yet waits for admission here (a waiting node says `ready()`
+        first). A node admitted at the members' sync point counts that one as its own: its
+        first call returns True with the new group without waiting for the members' next
+        sync point. Nodes that formed the run meet at their first sync point.
         """
         self._check()
+        new = False
         if self._epoch is None:
+            if not self._ready:
+                self.ready()
             self._admit(self._join_timeout)
+            new = True
+        if self._fresh:
+            # The members passed the sync point that admitted us and are heading into the
+            # collective that follows it: syncing again would wait for their *next* sync point
+            # while they wait for us in the collective.
+            self._fresh = False
+            if self._newer_than(self._epoch.number):  # what a stale sync request would return
+                assert self._latest is not None
+                self._install(self._latest)
             return True
         reply = self._client.request(
             {
@@ -172,9 +169,36 @@ class ElasticDeviceMesh:
         assert self._latest is not None
         if self._latest.number == self._epoch.number:
             self._suspect = False
-            return False
+            return new
         self._install(self._latest)
         return True
+
+    def ready(self) -> None:
+        """Say this local rank is ready to train (after fetching and loading the run's state).
+
+        Only meaningful with `wait_until_ready=True`: the node is admitted at the members'
+        next sync point once every one of its local ranks said so (or forms the first epoch
+        with the others once `min_nodes` nodes are ready). Returns without waiting for that;
+        `maybe_reinit_global_pg()` then waits and returns the new group. A no-op when ready.
+        """
+        self._check()
+        if self._ready:
+            return
+        self._client.request(
+            {"type": "ready"},
+            timeout=self._connect_timeout,
+            what="the coordinator to acknowledge ready()",
+        )
+        self._ready = True
+
+    @property
+    def state(self) -> str:
+        """This local rank's view: "waiting" (not ready), "joining" (ready, not admitted
+        yet) or "member" (holds a group). `members()` has the coordinator's view of all."""
+        self._check()
+        if self._epoch is not None:
+            return "member"
+        return "joining" if self._ready else "waiting"
 
     def should_abort(self) -> bool:
         """True once a newer epoch exists than the one the current group belongs to."""
@@ -213,11 +237,14 @@ class ElasticDeviceMesh:
         return result
 
     def members(self) -> list[dict]:
-        """Every node the coordinator knows (members in rank order, then joiners) with its
-        node_id, rank, state, local_world_size, last_heartbeat_age and metadata."""
+        """Every node the coordinator knows (members in rank order, then the others) with its
+        node_id, rank (None unless a member), state ("member", "joining": ready and admitted at
+        the next sync point, "waiting": not ready yet, "registering": local ranks missing),
+        local_world_size, last_heartbeat_age and metadata."""
         return list(self.status()["nodes"])
 
     def status(self) -> dict:
+        """The coordinator's view: epoch, min_nodes and `nodes` (as `members()`)."""
         self._check()
         return dict(self._client.request({"type": "status"})["status"])
 
@@ -273,7 +300,7 @@ class ElasticDeviceMesh:
             return
         self._closed = True
         if self._pg is not None:
-            _RETIRED.append(self._pg)
+            retire(self._pg)
         self._client.leave()
         self._client.close()
         log.info("%s local rank %d left the run", self.node_id, self.local_rank)
@@ -299,6 +326,7 @@ class ElasticDeviceMesh:
     def _on_message(self, msg: dict) -> None:
         if msg.get("type") == "epoch" and msg.get("epoch"):
             e = Epoch.parse(msg["epoch"])
+            self._joined.update(e.joined)  # before a newer epoch replaces it in _latest
             if self._latest is None or e.number > self._latest.number:
                 self._latest = e
 
@@ -326,6 +354,7 @@ class ElasticDeviceMesh:
             )
         assert self._latest is not None
         self._install(self._latest)
+        self._fresh = self.node_id in self._joined
 
     def _install(self, target: Epoch) -> None:
         """Build the group of `target` (or of any newer epoch that appears meanwhile)."""
@@ -341,14 +370,21 @@ class ElasticDeviceMesh:
                 raise MeshEvicted(
                     f"{self.node_id} is not a member of epoch {target.number}; create a new mesh to rejoin"
                 )
-            box: dict[str, Any] = {}
-            threading.Thread(target=self._build, args=(target, box), daemon=True).start()
+            box = start_build(
+                self._store,
+                target,
+                self.node_id,
+                self.local_rank,
+                self.host,
+                self._pg_timeout,
+                done=self._client.notify,
+            )
             n = target.number
             self._client.wait_for(lambda b=box, n=n: bool(b) or self._newer_than(n), None)
             self._check()
             if "pg" in box:
                 if self._pg is not None:
-                    _RETIRED.append(self._pg)
+                    retire(self._pg)
                 self._pg, self._epoch = box["pg"], target
                 self._vote_seq, self._suspect = 0, False
                 log.info(
@@ -381,19 +417,3 @@ class ElasticDeviceMesh:
                 {"type": "sync", "epoch": target.number, "admit": False, "failed": True}
             )
             self._on_message({"type": "epoch", "epoch": reply["epoch"]})
-
-    def _build(self, target: Epoch, box: dict) -> None:
-        try:
-            store = dist.PrefixStore(
-                f"prime-mesh/{target.prefix}/{self.local_rank}", self._store.clone()
-            )
-            opts = ProcessGroupGloo._Options()
-            opts._devices = [ProcessGroupGloo.create_device(hostname=self.host)]
-            opts._timeout = datetime.timedelta(seconds=self._pg_timeout)
-            box["pg"] = ProcessGroupGloo(
-                store, target.members.index(self.node_id), len(target.members), opts
-            )
-        except Exception as e:  # reported to the waiting thread
-            box["err"] = e
-        finally:
-            self._client.notify()

@@ -18,10 +18,12 @@ def query_status(coordinator: str, token: str | bytes | None = None, timeout: fl
 
 def format_status(status: dict, address: str) -> str:
     nodes = status["nodes"]
-    members = [n for n in nodes if n["state"] == "member"]
+    count = {s: sum(n["state"] == s for n in nodes) for s in ("member", "joining", "waiting")}
+    # "joining": ready, admitted at the next sync point; "waiting": not ready, never waited for
     lines = [
-        f"coordinator {address}: epoch {status['epoch']}, {len(members)} members, "
-        f"{len(nodes) - len(members)} waiting (min_nodes {status['min_nodes']})"
+        f"coordinator {address}: epoch {status['epoch']}, {count['member']} members, "
+        f"{count['joining']} joining, {count['waiting']} waiting, "
+        f"{len(nodes) - sum(count.values())} registering (min_nodes {status['min_nodes']})"
     ]
     for n in nodes:
         age = n["last_heartbeat_age"]

@@ -1,0 +1,119 @@
+"""The coordinator's state machine alone (no sockets): registering, waiting, joining, member."""
+
+from prime_mesh.membership import Membership
+
+
+class FakeConn:
+    peer = "test"
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+        self.closed = False
+
+    def send(self, msg: dict) -> None:
+        self.sent.append(msg)
+
+    def close_after_flush(self) -> None:
+        self.closed = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _register(m: Membership, key: str, lr: int = 0, lws: int = 1, ready: bool | None = None):
+    msg = {"node_key": key, "local_rank": lr, "local_world_size": lws, "metadata": {"k": key}}
+    if ready is not None:
+        msg["ready"] = ready
+    conn = FakeConn()
+    return m.register(conn, msg), conn
+
+
+def _states(m: Membership) -> dict[str, str]:
+    return {n["metadata"]["k"]: n["state"] for n in m.status()["nodes"]}
+
+
+def _sync_all(m: Membership, nodes) -> None:
+    for node, conn in nodes:
+        m.sync(node, 0, conn, 1, {"epoch": m.epoch, "admit": True})
+
+
+def test_waiting_nodes_neither_form_nor_join_until_ready():
+    m = Membership(min_nodes=2)
+    a, ca = _register(m, "a", ready=False)
+    b, cb = _register(m, "b")
+    # "b" is ready, "a" is not: min_nodes counts only ready nodes, so nothing forms
+    assert m.epoch == 0 and _states(m) == {"a": "waiting", "b": "joining"}
+    m.ready(a, 0)
+    assert m.epoch == 1 and _states(m) == {"a": "member", "b": "member"}
+    # the run forms in the order nodes became ready; no sync point admitted them
+    assert m.epoch_info()["members"] == [b.node_id, a.node_id]
+    assert m.epoch_info()["joined"] == []
+
+    # a waiting node is visible (with its metadata) but sync points do not admit it
+    c, cc = _register(m, "c", ready=False)
+    _sync_all(m, [(a, ca), (b, cb)])
+    assert m.epoch == 1 and _states(m)["c"] == "waiting"
+    assert next(n for n in m.status()["nodes"] if n["node_id"] == c.node_id)["metadata"] == {
+        "k": "c"
+    }
+    m.ready(c, 0)
+    m.ready(c, 0)  # twice is harmless
+    assert m.epoch == 1 and _states(m)["c"] == "joining"  # only at the next sync point
+    _sync_all(m, [(a, ca), (b, cb)])
+    assert m.epoch == 2 and m.epoch_info()["members"][-1] == c.node_id
+    assert m.epoch_info()["joined"] == [c.node_id]  # its first sync point is this one
+    assert [msg for msg in cc.sent if msg.get("type") == "epoch"][-1]["epoch"]["epoch"] == 2
+
+
+def test_a_node_that_never_opts_in_is_admitted_as_before():
+    m = Membership(min_nodes=1)
+    a, ca = _register(m, "a")  # no "ready" field: an older client
+    assert m.epoch == 1
+    _register(m, "b", ready=True)
+    assert _states(m)["b"] == "joining"
+    _sync_all(m, [(a, ca)])
+    assert m.epoch == 2 and _states(m) == {"a": "member", "b": "member"}
+
+
+def test_every_local_rank_must_be_ready():
+    m = Membership(min_nodes=1)
+    a0, ca0 = _register(m, "a", lr=0, lws=2)
+    a1, ca1 = _register(m, "a", lr=1, lws=2)
+    assert m.epoch == 1
+    b0, _ = _register(m, "b", lr=0, lws=2, ready=False)
+    assert _states(m)["b"] == "registering"
+    _register(m, "b", lr=1, lws=2, ready=True)
+    assert _states(m)["b"] == "waiting"
+    m.ready(b0, 1)  # rank 1 again: still waiting for rank 0
+    assert _states(m)["b"] == "waiting"
+    m.ready(b0, 0)
+    assert _states(m)["b"] == "joining"
+    for lr, conn in ((0, ca0), (1, ca1)):
+        m.sync(a0, lr, conn, 1, {"epoch": m.epoch, "admit": True})
+    assert m.epoch == 2 and _states(m) == {"a": "member", "b": "member"}
+
+
+def test_a_waiting_node_that_dies_changes_no_epoch():
+    clock = Clock()
+    m = Membership(min_nodes=1, clock=clock)
+    a, ca = _register(m, "a")
+    w, cw = _register(m, "w", ready=False)  # stalls: no heartbeat
+    k, ck = _register(m, "k", ready=False)  # killed: its connection closes
+    for _ in range(3):
+        clock.now += 1.0
+        m.heartbeat(a, 0)
+        m.heartbeat(k, 0)
+    m.evict(k, "connection of local rank 0 closed")
+    clock.now += 10.0
+    m.heartbeat(a, 0)
+    m.tick()
+    assert _states(m) == {"a": "member"} and m.epoch == 1
+    assert cw.closed and ck.closed
+    assert not [msg for msg in ca.sent if msg.get("type") == "epoch" and msg["epoch"]["epoch"] > 1]
+    _sync_all(m, [(a, ca)])  # the member's sync point goes through unchanged
+    assert ca.sent[-1]["epoch"]["epoch"] == 1 and m.epoch == 1
