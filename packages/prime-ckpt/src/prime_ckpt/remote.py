@@ -284,7 +284,8 @@ def remote_listing(
         try:
             m = store.manifest(s)
             size = sum(f.size for f in m.files.values())
-            out.append(CheckpointInfo(s, "remote", store.path(step_dirname(s)), size, "ok"))
+            path = store.path(step_dirname(s))
+            out.append(CheckpointInfo(s, "remote", path, size, "ok", metadata=dict(m.user)))
         except Exception as e:
             out.append(CheckpointInfo(s, "remote", None, 0, "corrupt", False, str(e)))
     if uploader is not None:

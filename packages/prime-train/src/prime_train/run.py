@@ -91,7 +91,13 @@ class Run:
             checkpointing.remote_prefix(cfg, node.name),
             placement.group if placement.world_size > 1 else None,
             remote_options=cfg.ckpt.remote_options,
+            identity={"run": cfg.run.name, "config_hash": cfg.fingerprint_hash()},
         )
+        try:
+            self.ckpt.check_owner()
+        except BaseException:
+            self.ckpt.close()
+            raise
         self.log.info(
             f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
             f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, FSDP2 over "
