@@ -124,6 +124,11 @@ class Checkpointer:
         self.manager.load(step, state, strict=True)
         self.last_saved = step
 
+    def discard_after(self, step: int) -> list[int]:
+        """Remove this node's checkpoints newer than the step the run resumed from (0: a fresh
+        start) from every tier, so that retention keeps the steps the run makes next."""
+        return self.manager.discard_after(step)
+
     def wait(self) -> None:
         self.manager.wait()
 

@@ -206,6 +206,12 @@ class Run:
             if step is not None:
                 self.ckpt.load(step, state)
                 outer.load_state_dict(state["diloco"])
+        stale = self.ckpt.discard_after(step or 0)
+        if stale:
+            self.log.info(
+                f"removed this node's checkpoints of steps {stale}, newer than the step the "
+                f"run resumes from ({step or 0}): it makes them again"
+            )
         if step is None:
             return 0
         self.loader.load_state_dict(state["data"])
