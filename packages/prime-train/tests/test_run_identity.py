@@ -62,3 +62,10 @@ def test_remote_prefix_keeps_ckpt_keep_and_refuses_another_run(tmp_path, run_cli
     d = run_cli(*short(tiny_cli_args, tmp_path / "d", *common))
     assert d.returncode == 0, d.stderr[-2000:]
     assert "resumed from the step-10 checkpoint" in d.stdout
+
+    # under another node name, its own prefix is empty: it starts afresh, and says where the
+    # checkpoints of the other names are
+    e = run_cli(*short(tiny_cli_args, tmp_path / "e", *common, "--mesh.node_name", "n2"))
+    assert e.returncode == 0, e.stderr[-2000:]
+    assert "no checkpoint of node 'n2' in any tier" in e.stdout and "holds ['n1']" in e.stdout
+    assert "resumed" not in e.stdout

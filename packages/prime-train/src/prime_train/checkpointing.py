@@ -155,3 +155,16 @@ def remote_prefix(cfg, node_name: str) -> str | None:
     if cfg.ckpt.remote is None:
         return None
     return f"{cfg.ckpt.remote.rstrip('/')}/{node_name}"
+
+
+def other_node_prefixes(cfg, node_name: str) -> list[str]:
+    """The names under `ckpt.remote` other than this node's (best effort: [] if unlistable),
+    to tell a node restarted under a new name where its checkpoints may be."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(cfg.ckpt.remote, **cfg.ckpt.remote_options)
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    except Exception:  # missing root, no credentials yet: nothing to say
+        return []
+    return sorted(n for n in names if n != node_name)

@@ -98,6 +98,14 @@ class Run:
         except BaseException:
             self.ckpt.close()
             raise
+        if cfg.ckpt.remote and self.primary and not self.ckpt.committed_steps():
+            others = checkpointing.other_node_prefixes(cfg, node.name)
+            if others:
+                log.warn(
+                    f"no checkpoint of node {node.name!r} in any tier, but {cfg.ckpt.remote} "
+                    f"holds {others}: a node restarted on a new machine finds its checkpoints "
+                    "only under its former --mesh.node_name"
+                )
         self.log.info(
             f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
             f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, FSDP2 over "
