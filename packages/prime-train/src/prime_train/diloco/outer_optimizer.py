@@ -1,9 +1,10 @@
 """The outer optimizer of DiLoCo: outer weights and Nesterov momentum in flat CPU buffers.
 
 Each rank keeps, on CPU in float32 (pinned when the model is on a GPU), only its own shard of
-the outer weights, in one flat buffer with a view per parameter. At a sync point the pseudo-gradient (outer - current) is
-computed into a second flat buffer, which the caller averages across nodes in place; `apply`
-then takes the Nesterov step and copies the new outer weights into the model. The class knows
+the outer weights, in one flat buffer with a view per parameter. At a sync point the
+pseudo-gradient (outer - current) is computed into a second flat buffer, which the caller
+averages across nodes in place; `apply` then takes the Nesterov step and copies the new outer
+weights into the model. The class knows
 nothing of nodes or networks: `prime_train.diloco.outer_step` does the averaging.
 """
 
