@@ -164,7 +164,7 @@ def table(results: Path) -> int:
         ])  # fmt: skip
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     for k, line in enumerate(lines):
-        print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)))
+        print(" | ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
         if k == 0:
             print("-+-".join("-" * w for w in widths))
     failed = [r["stage"] for r in rows if r.get("status", "").startswith("FAIL")]
