@@ -180,6 +180,11 @@ def test_remote_options_as_an_inline_table_never_saved(tmp_path):
     with pytest.raises(ConfigError, match="not a TOML inline table") as e:
         load_config(None, ["--ckpt.remote_options", "secret=s3cret"], env={})
     assert "s3cret" not in str(e.value)
+    toml = tmp_path / "bad.toml"
+    toml.write_text('[ckpt]\nremote_options = "secret=s3cret"\n')
+    with pytest.raises(ConfigError, match="ckpt.remote_options") as e:
+        load_config(toml, [], env={})
+    assert "s3cret" not in str(e.value) and "<hidden>" in str(e.value)
 
 
 def test_machine_local_settings_leave_the_config_hash_alone(tmp_path):

@@ -185,7 +185,8 @@ def _explain(e: ValidationError, tree: dict, origin: dict) -> str:
         where = next((w for (s, _), w in origin.items() if s == section), "")
         return f"invalid [{section}] settings ({where}): {msg}"
     field = SECTIONS[section].model_fields[key]
-    shown = "<hidden>" if (section, key) in SECRET_KEYS else repr(tree[section].get(key))
+    hidden = (section, key) in SECRET_KEYS or (section, key) == ("ckpt", "remote_options")
+    shown = "<hidden>" if hidden else repr(tree[section].get(key))
     more = (
         f" ({len(e.errors()) - 1} more error(s) after fixing this)" if len(e.errors()) > 1 else ""
     )
