@@ -236,3 +236,25 @@ def test_committed_steps_of_every_tier(tmp_path):
     with CheckpointManager(b / "disk", shm_dir=b / "shm", remote=url) as mgr:
         assert mgr.committed_steps(("ram", "disk")) == []
         assert mgr.committed_steps() == [1, 2, 3]
+
+
+def test_discard_after_removes_newer_steps_from_every_tier(tmp_path):
+    """After resuming from an older step, the newer ones go from RAM, disk and remote, so that
+    retention keeps the steps made next instead of the stale higher-numbered ones."""
+    url = f"memory://prime-{uuid.uuid4().hex}/run"
+    a = tmp_path / "node-a"
+    keep = {"disk": 3, "remote": 3}
+    with CheckpointManager(a / "disk", shm_dir=a / "shm", remote=url, keep=keep) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, st(s)).wait(60)
+            assert mgr.wait_remote(120)
+        assert mgr.committed_steps(["ram"]) == [2, 3] and mgr.committed_steps() == [1, 2, 3]
+        assert mgr.discard_after(1) == [2, 3]
+        assert mgr.committed_steps() == [1] and mgr.committed_steps(["remote"]) == [1]
+        mgr.save(2, st(20)).wait(60)  # the run makes step 2 again: kept, not pruned
+        assert mgr.wait_remote(120)
+        assert mgr.committed_steps(["disk"]) == [1, 2]
+        assert mgr.committed_steps(["remote"]) == [1, 2]
+        out = empty()
+        assert mgr.load_latest(out) == 2 and out["w"][0, 0] == 20.0
+        assert mgr.discard_after(2) == []

@@ -71,6 +71,8 @@ def test_model_adamw_and_plain_values_round_trip(tmp_path):
     saved = full_state(model, opt, pos=1234)
     with CheckpointManager(tmp_path / "ckpt", shm_dir=tmp_path / "shm") as mgr:
         mgr.save(10, saved, metadata={"note": "hello"}).wait(timeout=60)
+        listed = {c.tier: c.metadata for c in mgr.list()}
+        assert listed == {"ram": {"note": "hello"}, "disk": {"note": "hello"}}
 
     # a fresh process-like restore: new model, AdamW state created by one step, then load
     model2, opt2 = make_model(1)

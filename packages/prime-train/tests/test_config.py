@@ -159,3 +159,43 @@ def test_cli_help_documents_fields(run_cli):
         "PRIME_SECTION__KEY",
     ):
         assert piece in r.stdout
+
+
+def test_remote_options_as_an_inline_table_never_saved(tmp_path):
+    table = '{endpoint_url = "http://127.0.0.1:9000", client_kwargs = {region_name = "x"}}'
+    cfg = load_config(
+        None,
+        ["--run.runs_dir", str(tmp_path), "--ckpt.remote_options", table],
+        env={"PRIME_CKPT__REMOTE_OPTIONS": '{key = "ignored"}'},
+    )
+    assert cfg.ckpt.remote_options == {
+        "endpoint_url": "http://127.0.0.1:9000",
+        "client_kwargs": {"region_name": "x"},
+    }
+    env_only = load_config(None, [], env={"PRIME_CKPT__REMOTE_OPTIONS": '{secret = "s3cret"}'})
+    assert env_only.ckpt.remote_options == {"secret": "s3cret"}
+    claim_run_dir(cfg, write=True)
+    saved = json.loads((cfg.run_dir / "config.json").read_text())
+    assert "remote_options" not in saved["ckpt"] and "9000" not in json.dumps(saved)
+    with pytest.raises(ConfigError, match="not a TOML inline table") as e:
+        load_config(None, ["--ckpt.remote_options", "secret=s3cret"], env={})
+    assert "s3cret" not in str(e.value)
+    toml = tmp_path / "bad.toml"
+    toml.write_text('[ckpt]\nremote_options = "secret=s3cret"\n')
+    with pytest.raises(ConfigError, match="ckpt.remote_options") as e:
+        load_config(toml, [], env={})
+    assert "s3cret" not in str(e.value) and "<hidden>" in str(e.value)
+
+
+def test_machine_local_settings_leave_the_config_hash_alone(tmp_path):
+    base = load_config(None, [], env={})
+    local = load_config(
+        None,
+        ["--run.runs_dir", str(tmp_path), "--data.cache_dir", "/x", "--train.threads", "3",
+         "--ckpt.dir", "/c", "--ckpt.remote", "s3://b/r", "--ckpt.keep", "5",
+         "--mesh.node_name", "n7"],
+        env={},
+    )  # fmt: skip
+    assert local.fingerprint_hash() == base.fingerprint_hash()
+    for other in (["--train.steps", "5"], ["--run.name", "x"], ["--data.seq_len", "64"]):
+        assert load_config(None, other, env={}).fingerprint_hash() != base.fingerprint_hash()

@@ -89,3 +89,44 @@ def test_bad_state_is_a_clear_error():
     outer = OuterOptimizer(torch.nn.Linear(3, 2).parameters())
     with pytest.raises(ValueError, match="another model"):
         outer.load_state_dict({"outer": torch.zeros(5), "momentum": torch.zeros(5)})
+
+
+def _agree_worker(rank, world, port, q):
+    from types import SimpleNamespace
+
+    from prime_train.diloco import Diloco, NoCommonCheckpoint
+
+    gloo_world(rank, world, port)
+    try:
+        node = SimpleNamespace(  # what agree_resume_step uses: one rank per node, 2 nodes
+            node_group=None,
+            mesh=SimpleNamespace(global_pg=dist.group.WORLD, global_world_size=world),
+        )
+        cases = {"common": [[20, 40], [20]], "fresh": [[], []], "none shared": [[20], []]}
+        out = {}
+        for name, steps in cases.items():
+            try:
+                out[name] = Diloco.agree_resume_step(node, steps[rank])
+            except NoCommonCheckpoint as e:
+                out[name] = f"refused: {e}"
+        q.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_resume_agreement_refuses_to_start_over_when_nodes_share_no_step(children):
+    """The newest step all nodes hold; None for a fresh run; and when a node holds checkpoints
+    but none is common (say a node restarted under a new name), every node refuses alike."""
+    world, port = 2, free_port()
+    q = children.queue()
+    for r in range(world):
+        children.process(_agree_worker, r, world, port, q)
+    results = dict(q.get(timeout=90) for _ in range(world))
+    for out in results.values():
+        assert out["common"] == 20 and out["fresh"] is None, out
+        assert out["none shared"].startswith("refused: the nodes share no checkpoint step"), out
+        assert (
+            "--mesh.node_name" in out["none shared"] and "move every node's" in out["none shared"]
+        )
+    assert "holds [20]" in results[0]["none shared"] and "holds none" in results[1]["none shared"]

@@ -6,6 +6,7 @@
 - `Nodes`: named node processes driven through command and report queues, for tests that
   kill or stop their processes.
 - `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
+- `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`).
 - `RankPool` (and the session-scoped `rank_pool` fixture): four rank processes in one gloo
   world, started once per session, that run test cases in groups of 1..4 ranks.
 """
@@ -23,6 +24,8 @@ _LAZY = {
     "RankPool": "pool",
     "case_spec": "pool",
     "RankContext": "worker",
+    "MotoS3": "s3",
+    "CREDENTIALS": "s3",
 }
 
 
@@ -35,7 +38,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CREDENTIALS",
     "DEFAULT_TIMEOUT",
+    "MotoS3",
     "Children",
     "Nodes",
     "RankContext",

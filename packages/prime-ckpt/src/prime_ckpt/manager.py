@@ -330,6 +330,25 @@ class CheckpointManager:
         finally:
             self._finish(result, agreed)
 
+    def discard_after(self, step: int) -> list[int]:
+        """Remove every committed copy of a step newer than `step` (this rank's RAM copies;
+        on rank 0 the disk and remote ones) and return those steps. After resuming from
+        `step` (0: from scratch) they belong to a future the run makes again: kept, retention
+        would prune the new steps instead. Call it after loading, before the next save."""
+        if self._inflight is not None:
+            self._inflight.join()
+        removed = {s for s, i in self._stager.committed() if s > step}
+        for s, i in self._stager.committed():
+            if s > step:
+                self._stager.invalidate(i)
+        if self.rank == 0:
+            removed.update(s for s in committed_steps(self.disk_dir) if s > step)
+            for s in sorted(removed):
+                self._committer.discard(s)
+            if self._uploader is not None:
+                removed.update(self._uploader.discard_after(step))
+        return sorted(removed)
+
     # ---- inspection and lifecycle --------------------------------------------------------
 
     def list(self, verify: bool = False) -> list[CheckpointInfo]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ class CheckpointInfo:
     status: str  # "ok", "corrupt" or "failed"
     verified: bool | None = None  # None: not checked
     detail: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)  # what save(metadata=...) stored
 
 
 def parse_keep(keep: int | Mapping[str, int | None] | None) -> dict[str, int | None]:
@@ -99,7 +100,9 @@ def checkpoint_info(
         return CheckpointInfo(step, tier, str(path), 0, "corrupt", False, str(e))
     size = sum(f.size for f in m.files.values())
     if not verify:
-        return CheckpointInfo(step, tier, str(path), size, "ok")
+        return CheckpointInfo(step, tier, str(path), size, "ok", metadata=dict(m.user))
     problems = verify_dir(path, m)
     status = "corrupt" if problems else "ok"
-    return CheckpointInfo(step, tier, str(path), size, status, not problems, "; ".join(problems))
+    return CheckpointInfo(
+        step, tier, str(path), size, status, not problems, "; ".join(problems), dict(m.user)
+    )

@@ -224,6 +224,22 @@ class Uploader:
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
+    def discard_after(self, step: int) -> list[int]:
+        """Once idle, delete the committed remote steps newer than `step`; returns them (a
+        step that cannot be deleted is logged and stays: its next upload replaces it)."""
+        self.wait()
+        removed = []
+        for s in self.store.steps():
+            if s > step:
+                try:
+                    self.store.delete(s)
+                    removed.append(s)
+                except Exception as e:
+                    log.warning(
+                        "prime-ckpt: cannot remove step %d from %s: %s", s, self.store.url, e
+                    )
+        return removed
+
     def _retry(self, fn: Callable[[], None], what: str) -> None:
         for attempt in range(self.retries + 1):
             try:
@@ -284,7 +300,8 @@ def remote_listing(
         try:
             m = store.manifest(s)
             size = sum(f.size for f in m.files.values())
-            out.append(CheckpointInfo(s, "remote", store.path(step_dirname(s)), size, "ok"))
+            path = store.path(step_dirname(s))
+            out.append(CheckpointInfo(s, "remote", path, size, "ok", metadata=dict(m.user)))
         except Exception as e:
             out.append(CheckpointInfo(s, "remote", None, 0, "corrupt", False, str(e)))
     if uploader is not None:

@@ -225,6 +225,11 @@ class DiskCommitter:
         os.rename(path, dest)
         shutil.rmtree(dest, ignore_errors=True)
 
+    def discard(self, step: int) -> None:
+        """Remove one committed step (uncommitted first by the rename aside)."""
+        if self.rank == 0 and (self.dir / step_dirname(step)).is_dir():
+            self._trash(self.dir / step_dirname(step))
+
     def prune(self, step: int = -1) -> list[int]:
         """Keep the newest `keep` committed steps; leased steps are never removed."""
         if self.rank != 0 or self.keep <= 0:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_ckpt import CheckpointManager
+from prime_train.rundir import RunDirError
 
 
 def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
@@ -51,7 +52,11 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 class Checkpointer:
-    """Saves every `every` steps (0: only on request) and resumes from the newest one."""
+    """Saves every `every` steps (0: only on request) and resumes from the newest one.
+
+    Every checkpoint carries `identity` (the run's name and config hash) in its manifest;
+    `check_owner()` refuses folders and remote prefixes holding another run's checkpoints.
+    `keep` checkpoints are kept on disk and in the remote store."""
 
     def __init__(
         self,
@@ -62,17 +67,42 @@ class Checkpointer:
         remote: str | None = None,
         group: dist.ProcessGroup | None = None,
         remote_options: dict[str, Any] | None = None,
+        identity: dict[str, str] | None = None,
     ):
-        self.disk_dir, self.every = disk_dir, every
+        self.disk_dir, self.every, self.remote = disk_dir, every, remote
+        self.identity = dict(identity or {})
         self.manager = CheckpointManager(
             disk_dir,
             shm_dir=shm_dir,
             remote=remote,
             remote_options=remote_options or None,
-            keep=keep,
+            keep={"disk": keep, "remote": keep},
             group=group,
         )
         self.last_saved: int | None = None
+
+    def check_owner(self) -> None:
+        """RunDirError if any tier holds a checkpoint of another run (another name or config
+        hash, or none: another program's): loading it, or letting retention prune this run's
+        new steps in favour of its higher-numbered ones, would mix two runs."""
+        for c in self.manager.list():
+            if c.status != "ok" or not self.identity:
+                continue
+            held = {k: c.metadata.get(k) for k in self.identity}
+            if held == self.identity:
+                continue
+            where = self.remote if c.tier == "remote" else str(self.disk_dir)
+            if held.get("config_hash") is None:
+                whose = "no run identity: made by another program or an older prime-train"
+            else:
+                whose = f"run {held.get('run')!r}, config hash {held.get('config_hash')}"
+            raise RunDirError(
+                f"{where} holds checkpoints of another run (step {c.step}, {whose}); this run "
+                f"is {self.identity.get('run')!r} with config hash "
+                f"{self.identity.get('config_hash')}. To resume that run, rerun with its "
+                f"config; to start this one, move {where} aside or point ckpt.dir / "
+                "ckpt.remote elsewhere (or use another --run.name)"
+            )
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -81,7 +111,7 @@ class Checkpointer:
         """Returns once staged in RAM; disk/remote copies finish in the background."""
         if self.last_saved == step:
             return
-        self.manager.save(step, state)
+        self.manager.save(step, state, metadata=self.identity)
         self.last_saved = step
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
@@ -93,6 +123,11 @@ class Checkpointer:
     def load(self, step: int, state: dict[str, Any]) -> None:
         self.manager.load(step, state, strict=True)
         self.last_saved = step
+
+    def discard_after(self, step: int) -> list[int]:
+        """Remove this node's checkpoints newer than the step the run resumed from (0: a fresh
+        start) from every tier, so that retention keeps the steps the run makes next."""
+        return self.manager.discard_after(step)
 
     def wait(self) -> None:
         self.manager.wait()
@@ -120,3 +155,16 @@ def remote_prefix(cfg, node_name: str) -> str | None:
     if cfg.ckpt.remote is None:
         return None
     return f"{cfg.ckpt.remote.rstrip('/')}/{node_name}"
+
+
+def other_node_prefixes(cfg, node_name: str) -> list[str]:
+    """The names under `ckpt.remote` other than this node's (best effort: [] if unlistable),
+    to tell a node restarted under a new name where its checkpoints may be."""
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(cfg.ckpt.remote, **cfg.ckpt.remote_options)
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    except Exception:  # missing root, no credentials yet: nothing to say
+        return []
+    return sorted(n for n in names if n != node_name)

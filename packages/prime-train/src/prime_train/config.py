@@ -223,13 +223,14 @@ class Config(Section):
         return d
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must match to resume a run: everything but logging and where peers live."""
+        """What must match to resume a run or train it together: everything but logging,
+        where peers live and machine-local settings (folders, threads, device, remote URL and
+        retention), so nodes on different machines, each with its own folders, agree."""
         d = self.saved()
-        d["run"].pop("log_every")
-        d["run"].pop("trackers")  # where a run is watched from is not what it trains
-        d["launch"].pop("status_port")
+        for section, keys in MACHINE_LOCAL.items():
+            for key in keys:
+                d[section].pop(key, None)
         d.pop("mesh")
-        d["data"].pop("workers")  # how fast tokens are made, not which
         if self.model.init_from is not None:  # the weights, wherever the folder lives
             from prime_train.hf_import import weights_digest
 
@@ -240,6 +241,15 @@ class Config(Section):
         blob = json.dumps(self.fingerprint(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+
+# settings each machine may choose for itself: not part of the run's identity
+MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
+    "run": ("log_every", "runs_dir", "trackers"),  # trackers: where a run is watched from
+    "data": ("cache_dir", "workers"),  # workers: how fast tokens are made, not which
+    "launch": ("status_port",),
+    "train": ("threads", "device"),
+    "ckpt": ("dir", "shm_dir", "remote", "keep"),
+}
 
 SECTIONS: dict[str, type[Section]] = {
     name: info.annotation  # type: ignore[misc]

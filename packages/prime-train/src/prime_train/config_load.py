@@ -48,9 +48,9 @@ def _check_key(section: str, key: str | None, where: str) -> None:
         )
 
 
-def _annotation_wants_list(section: str, key: str) -> bool:
+def _annotation_wants(section: str, key: str, kinds: tuple[type, ...]) -> bool:
     ann = SECTIONS[section].model_fields[key].annotation
-    return any(typing.get_origin(a) in (list, tuple) for a in (ann, *typing.get_args(ann)))
+    return any(typing.get_origin(a) in kinds or a in kinds for a in (ann, *typing.get_args(ann)))
 
 
 def _allows_none(section: str, key: str) -> bool:
@@ -59,10 +59,19 @@ def _allows_none(section: str, key: str) -> bool:
 
 
 def _from_string(section: str, key: str, raw: str) -> Any:
-    """A command-line or environment value: pydantic coerces strings; lists use TOML syntax."""
+    """A command-line or environment value: pydantic coerces strings; lists and tables use
+    TOML syntax (`[1, 2]`, `{endpoint_url = "http://..."}`)."""
     if raw.lower() in ("none", "null") and _allows_none(section, key):
         return None
-    if _annotation_wants_list(section, key):
+    if _annotation_wants(section, key, (dict,)):
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(
+                f"`{section}.{key}` is not a TOML inline table ({e}); write it as "
+                f"'{{name = \"value\", other = 1}}'"
+            ) from None
+    if _annotation_wants(section, key, (list, tuple)):
         try:
             return tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
@@ -176,7 +185,8 @@ def _explain(e: ValidationError, tree: dict, origin: dict) -> str:
         where = next((w for (s, _), w in origin.items() if s == section), "")
         return f"invalid [{section}] settings ({where}): {msg}"
     field = SECTIONS[section].model_fields[key]
-    shown = "<hidden>" if (section, key) in SECRET_KEYS else repr(tree[section].get(key))
+    hidden = (section, key) in SECRET_KEYS or (section, key) == ("ckpt", "remote_options")
+    shown = "<hidden>" if hidden else repr(tree[section].get(key))
     more = (
         f" ({len(e.errors()) - 1} more error(s) after fixing this)" if len(e.errors()) > 1 else ""
     )

@@ -85,7 +85,21 @@ class Run:
             checkpointing.remote_prefix(cfg, node.name),
             placement.group if placement.world_size > 1 else None,
             remote_options=cfg.ckpt.remote_options,
+            identity={"run": cfg.run.name, "config_hash": cfg.fingerprint_hash()},
         )
+        try:
+            self.ckpt.check_owner()
+        except BaseException:
+            self.ckpt.close()
+            raise
+        if cfg.ckpt.remote and self.primary and not self.ckpt.committed_steps():
+            others = checkpointing.other_node_prefixes(cfg, node.name)
+            if others:
+                log.warn(
+                    f"no checkpoint of node {node.name!r} in any tier, but {cfg.ckpt.remote} "
+                    f"holds {others}: a node restarted on a new machine finds its checkpoints "
+                    "only under its former --mesh.node_name"
+                )
         self.log.info(
             f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
             f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, FSDP2 over "
@@ -158,6 +172,12 @@ class Run:
             if step is not None:
                 self.ckpt.load(step, state)
                 outer.load_state_dict(state["diloco"])
+        stale = self.ckpt.discard_after(step or 0)
+        if stale:
+            self.log.info(
+                f"removed this node's checkpoints of steps {stale}, newer than the step the "
+                f"run resumes from ({step or 0}): it makes them again"
+            )
         if step is None:
             return 0
         self.loader.load_state_dict(state["data"])

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from prime_train.files import write_atomic
 from prime_train.metrics import plot_run, read_metrics
 from prime_train.run import Run
@@ -40,6 +42,7 @@ class Summary:
     stopped_by: str | None = None
     resumed_from: int | None = None
     diloco: dict | None = None  # outer steps, bytes communicated and settings (multi-node)
+    peak_gpu_memory_bytes: int | None = None  # this rank's peak CUDA allocation (None: CPU)
 
 
 def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
@@ -73,6 +76,9 @@ def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
         stopped_by=end.stopped_by,
         resumed_from=end.start or None,
         diloco=outer.summary() if outer is not None else None,
+        peak_gpu_memory_bytes=(
+            torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
+        ),
     )
     if not run.primary:
         return summary

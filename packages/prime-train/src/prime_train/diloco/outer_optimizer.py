@@ -1,9 +1,10 @@
 """The outer optimizer of DiLoCo: outer weights and Nesterov momentum in flat CPU buffers.
 
-Each rank keeps, on CPU in float32, only its own shard of the outer weights, in one flat
-buffer with a view per parameter. At a sync point the pseudo-gradient (outer - current) is
-computed into a second flat buffer, which the caller averages across nodes in place; `apply`
-then takes the Nesterov step and copies the new outer weights into the model. The class knows
+Each rank keeps, on CPU in float32 (pinned when the model is on a GPU), only its own shard of
+the outer weights, in one flat buffer with a view per parameter. At a sync point the
+pseudo-gradient (outer - current) is computed into a second flat buffer, which the caller
+averages across nodes in place; `apply` then takes the Nesterov step and copies the new outer
+weights into the model. The class knows
 nothing of nodes or networks: `prime_train.diloco.outer_step` does the averaging.
 """
 
@@ -33,8 +34,10 @@ class OuterOptimizer:
         self.lr, self.momentum = lr, momentum
         numels = [local_tensor(p).numel() for p in self.params]
         total = sum(numels)
-        self.weights = torch.zeros(total, dtype=torch.float32)
-        self.pseudo_gradient = torch.zeros(total, dtype=torch.float32)
+        # with the model on a GPU, the buffers it copies to and from are pinned (faster copies)
+        pin = any(local_tensor(p).is_cuda for p in self.params)
+        self.weights = torch.zeros(total, dtype=torch.float32, pin_memory=pin)
+        self.pseudo_gradient = torch.zeros(total, dtype=torch.float32, pin_memory=pin)
         self.momentum_buffer = torch.zeros(total, dtype=torch.float32)
         self._weight_views: list[Tensor] = []
         self._gradient_views: list[Tensor] = []

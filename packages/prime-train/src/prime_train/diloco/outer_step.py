@@ -30,6 +30,7 @@ import prime_comm
 from prime_train.config import DilocoConfig
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.metrics import Log, Metrics
+from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
@@ -37,11 +38,15 @@ if TYPE_CHECKING:
 _MAX_SHARED_STEPS = 32  # resume agreement compares this many newest checkpoint steps
 
 
-def _common_steps(steps: list[int], group: Any, world: int) -> set[int]:
-    """The steps (of the newest `_MAX_SHARED_STEPS` each) that every member of `group` holds."""
+def _common_steps(
+    steps: list[int], group: Any, world: int, held: bool = False
+) -> tuple[set[int], bool]:
+    """The steps (of the newest `_MAX_SHARED_STEPS` each) that every member of `group` holds,
+    and whether any member holds a step (or was told `held`)."""
     mine = sorted(steps)[-_MAX_SHARED_STEPS:]
-    t = torch.full((_MAX_SHARED_STEPS,), -1, dtype=torch.int64)
+    t = torch.full((_MAX_SHARED_STEPS + 1,), -1, dtype=torch.int64)
     t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    t[-1] = int(held or bool(steps))
     if group is not None:
         world = dist.get_world_size(group)
     if world > 1:
@@ -49,7 +54,13 @@ def _common_steps(steps: list[int], group: Any, world: int) -> set[int]:
         dist.all_gather(gathered, t, group=group)
     else:
         gathered = [t]
-    return set.intersection(*({int(s) for s in g.tolist() if s >= 0} for g in gathered))
+    common = set.intersection(*({int(s) for s in g[:-1].tolist() if s >= 0} for g in gathered))
+    return common, any(int(g[-1]) > 0 for g in gathered)
+
+
+class NoCommonCheckpoint(RunDirError):
+    """Some node holds checkpoints but no step is held by every node: refused rather than
+    silently starting over (the message says how to proceed)."""
 
 
 class OuterStepFailed(RuntimeError):
@@ -231,14 +242,22 @@ class Diloco:
         self.totals.update(state["totals"])
 
     def agree_resume_step(self, local_steps: list[int]) -> int | None:
-        """The newest checkpoint step every rank of every node holds (None: start fresh):
-        agreed inside the node first, then across nodes, each in one all-gather."""
-        node_steps = _common_steps(local_steps, self.node_group, 1)
-        common = _common_steps(sorted(node_steps), self.mesh.global_pg, self.mesh.global_world_size)
-        if local_steps and not common:
-            self._warn(
-                "the nodes share no checkpoint step; starting from scratch "
-                f"(this node holds {sorted(local_steps)})"
+        """The newest checkpoint step every rank of every node holds (None: a fresh run, no
+        node holds any): agreed inside the node first, then across nodes, each in one
+        all-gather. NoCommonCheckpoint, on every node alike, when nodes hold checkpoints but
+        share none: starting over would throw the run's progress away."""
+        node_steps, node_held = _common_steps(local_steps, self.node_group, 1)
+        common, held = _common_steps(
+            sorted(node_steps), self.mesh.global_pg, self.mesh.global_world_size, node_held
+        )
+        if held and not common:
+            raise NoCommonCheckpoint(
+                "the nodes share no checkpoint step (this node holds "
+                f"{sorted(local_steps) or 'none'}), so the run cannot resume, and starting "
+                "over would throw its progress away. A node restarted on a new machine finds "
+                "its checkpoints by its name: start it with its former --mesh.node_name (its "
+                "remote copies are under ckpt.remote/NAME) or copy its checkpoint folder over; "
+                "to start the run over, move every node's checkpoints aside"
             )
         return max(common) if common else None
 
