@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from prime_train.config import Config
-from prime_train.diloco import Diloco
+from prime_train.diloco import make_outer_step
 from prime_train.metrics import Log
 from prime_train.optim import lr_at
 from prime_train.placement import Placement, init_placement
@@ -98,7 +98,7 @@ def train(
     try:
         run = Run(cfg, placement, log)
         if outer is None and placement.membership is not None:
-            outer = Diloco(
+            outer = make_outer_step(
                 cfg.diloco,
                 placement.membership.mesh,
                 run.params,
@@ -108,6 +108,9 @@ def train(
             )
         return train_loop(run, outer)
     finally:
+        close = getattr(outer, "close", None)
+        if close is not None:  # an overlapped outer step may still have a round in flight
+            close()
         if run is not None:
             run.close()
         placement.close()
@@ -129,16 +132,22 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
         eval_loss = run.evaluate_and_record(0)
 
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
+    # an overlapped outer step returns from start() with its all-reduce in flight
+    overlapped = bool(getattr(outer, "overlapped", False))
     step = start
     with StopSignal() as stop:
         for step in range(start + 1, total + 1):
+            t = time.perf_counter()
             meter.add(run.inner_step(step))
+            if outer is not None:
+                outer.add_compute_time(time.perf_counter() - t)
 
             # DiLoCo: every H inner steps, one outer step syncs the node replicas
             at_outer_boundary = step % cfg.diloco.inner_steps == 0 or step == total
             if outer is not None and at_outer_boundary:
                 outer.start(step)
-                outer.finish()
+                if not overlapped or step == total:  # the final model is the outer weights
+                    outer.finish()
 
             if step % cfg.run.log_every == 0 or step == total:
                 meter.report(step)
