@@ -28,6 +28,7 @@ gives back its own contribution) and the next round's sync point re-forms the gr
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -36,6 +37,10 @@ import torch
 
 import prime_comm
 from prime_train.diloco.outer_step import Diloco, OuterStepFailed
+
+# Fault hook for tests: every background round waits this long between its sync point and
+# its all-reduce, so that a test can kill or stop a node while a round is in flight.
+_HOLD_S = float(os.environ.get("PRIME_TRAIN_FAULT_HOLD_ROUND_S", "0") or 0)
 
 _NO_ROUND = {"state": "none", "step": 0, "attempt": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "error": ""}  # fmt: skip
@@ -94,6 +99,9 @@ class DelayedDiloco(Diloco):
         mesh, t0 = self.mesh, time.monotonic()
         try:
             mesh.maybe_reinit_global_pg()
+            if _HOLD_S:  # fault hook for tests: keep the round in flight a while
+                self._info(f"holding the outer round of step {rnd['step']} for {_HOLD_S:g} s")
+                time.sleep(_HOLD_S)
             stats, error = self._average()
             committed = mesh.should_commit(error is None)
             rnd.update(
