@@ -74,6 +74,8 @@ class DelayedDiloco(Diloco):
             # θ <- θ + (O' - X): the round start becomes the new outer weights' offset
             torch.sub(opt.weights, self.round_start, out=self.round_start)
             opt.shift_model(self.round_start)
+        else:  # the first round (or the first after a settle): no update to apply yet
+            self._end_round()
         opt.compute_pseudo_gradient()  # P = O' - θ
         opt.copy_model_into(self.round_start)  # X = θ
         self._round = dict(_NO_ROUND, state="running", step=step)
