@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,7 +126,8 @@ def diloco_run(a, bed, children, runs, cache, logs, mode: str) -> dict:
     outer = [[r["outer_sha256"] for r in rows(run_dir, k) if "outer_step" in r] for k in range(2)]
     if outer[0] != outer[1]:
         raise SystemExit(f"overlap={mode}: outer weights differ between the nodes")
-    return {"metrics": rows(run_dir, 0), "summaries": summaries, "wall": wall}
+    dropped = sum((logs / f"{mode}-{k}.log").read_text().count("not committed") for k in range(2))
+    return {"metrics": rows(run_dir, 0), "summaries": summaries, "wall": wall, "dropped": dropped}
 
 
 def figures(run: dict, step_s: float, h: int) -> dict:
@@ -142,6 +144,7 @@ def figures(run: dict, step_s: float, h: int) -> dict:
         "heldout": run["summaries"][0]["heldout_loss"],
         "bytes_per_round": d["comm_bytes"] / d["outer_steps"],
         "outer_steps": d["outer_steps"],
+        "dropped": run["dropped"],
     }
 
 
@@ -181,6 +184,7 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=0.5, help="all-reduce / round compute")
     ap.add_argument("--rate", type=float, default=None, help="link Mbit/s (default: from share)")
     ap.add_argument("--png", type=Path, default=ROOT / "benchmarks" / "results" / "overlap.png")
+    ap.add_argument("--keep", type=Path, default=None, help="copy the run folders and logs here")
     a = ap.parse_args()
     from prime_netbed import WanBed, bed_unavailable_reason
 
@@ -233,6 +237,11 @@ def main() -> None:
             for f in sorted(logs.glob("*.log")):
                 print(f"--- {f.name}\n{f.read_text()[-1500:]}", file=sys.stderr)
             raise
+        finally:
+            if a.keep:
+                shutil.copytree(
+                    tmp, a.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.npy", "ckpt*")
+                )
     none, dl = figures(results["none"], step_s, h), figures(results["delayed"], step_s, h)
     share = none["allreduce_s"] / (h * step_s)
     png = plot(results, a.png)
@@ -250,6 +259,7 @@ def main() -> None:
         ("final held-out loss", "heldout", "{:12.4f}"),
         ("MB sent per node per round", "bytes_per_round", "{:12.3f}"),
         ("applied outer steps", "outer_steps", "{:12d}"),
+        ("rounds not committed (node logs)", "dropped", "{:12d}"),
     ):
         scale = 1e-6 if key == "bytes_per_round" else 1
         print(f"{label:34}" + "".join(fmt.format(f[key] * scale) for f in (none, dl)))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import prime_comm
-from prime_train.diloco.outer_step import Diloco, OuterStepFailed
+from prime_train.diloco.outer_step import Diloco
 
 # Fault hook for tests: every background round waits this long between its sync point and
 # its all-reduce, so that a test can kill or stop a node while a round is in flight.
@@ -128,7 +128,7 @@ class DelayedDiloco(Diloco):
         self._thread = None
         if self._fatal is not None:
             fatal, self._fatal = self._fatal, None
-            raise OuterStepFailed(f"the background outer round failed: {fatal}") from fatal
+            raise fatal  # as the synchronous step would (the CLI reports MeshError in one line)
         return time.monotonic() - t
 
     def _apply_round(self, step: int, waited: float) -> None:
@@ -180,9 +180,11 @@ class DelayedDiloco(Diloco):
                 buf.copy_(state[key])
         self._round = dict(_NO_ROUND, **state["round"])
 
-    def close(self) -> None:
-        """Wait for a round still in flight (its mesh calls must not outlive the mesh)."""
-        try:
-            self._wait()
-        except OuterStepFailed:
-            pass
+    def close(self, timeout: float = 60.0) -> None:
+        """On the way out (the loop failed with a round in flight): give the round `timeout`
+        seconds to end before the mesh closes; never hang the exit on it (daemon thread)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._warn(f"the background outer round did not end within {timeout:g} s")
+            self._thread, self._fatal = None, None
