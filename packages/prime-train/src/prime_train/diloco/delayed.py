@@ -42,7 +42,7 @@ from prime_train.diloco.outer_step import Diloco
 # its all-reduce, so that a test can kill or stop a node while a round is in flight.
 _HOLD_S = float(os.environ.get("PRIME_TRAIN_FAULT_HOLD_ROUND_S", "0") or 0)
 
-_NO_ROUND = {"state": "none", "step": 0, "attempt": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
+_NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "error": ""}  # fmt: skip
 
 
