@@ -35,11 +35,12 @@ def _run(*args: str) -> None:
 class WanBed:
     """`nodes` namespaces on a shared bridge; every node link limited to `rate_mbit` each way."""
 
-    def __init__(self, nodes: int, rate_mbit: float = 100.0) -> None:
+    def __init__(self, nodes: int, rate_mbit: float = 100.0, burst: str = "256kb") -> None:
         if not 1 <= nodes <= 200:
             raise ValueError("a WanBed holds 1 to 200 nodes")
         self.nodes = nodes
         self.rate_mbit = rate_mbit
+        self.burst = burst  # tbf bucket: at a few Mbit/s keep it small, or it sends a burst free
         self.tag = uuid.uuid4().hex[:6]
         self.bed_octet = int(self.tag, 16) % 250 + 1
         self.bridge_ns = f"pb{self.tag}"
@@ -109,7 +110,7 @@ class WanBed:
                     "rate",
                     rate,
                     "burst",
-                    "256kb",
+                    self.burst,
                     "latency",
                     "100ms",
                 )

@@ -79,11 +79,16 @@ class Waiter:
             try:
                 work.wait(timedelta(seconds=slice_s))
                 return
-            except RuntimeError as e:
-                # A slice that ran out leaves the work pending; a finished work with an
-                # error means the collective itself failed (e.g. a peer closed its sockets).
+            except RuntimeError:
+                # A slice that ran out leaves the work pending. The work may also have
+                # finished just after the slice ran out: then this slice's "timed out" says
+                # nothing, and only the work's own outcome counts (below).
                 if not work.is_completed():
                     continue
+            try:
+                work.wait()  # finished: returns at once, or raises the collective's own error
+                return
+            except RuntimeError as e:  # the collective itself failed (e.g. a peer closed)
                 raise CollectiveAborted(
                     f"{self.what} failed during {step}: {e}", "peer_failure"
                 ) from e

@@ -197,6 +197,12 @@ class DilocoConfig(Section):
     compression: Literal["uint8", "none"] = Field(
         "uint8", description="pseudo-gradient all-reduce: 'uint8' or 'none' (float32)"
     )
+    overlap: Literal["none", "delayed"] = Field(
+        "none",
+        description="'none': inner steps wait for each outer step; 'delayed': the all-reduce of "
+        "round k runs in the background during round k+1 and its update is applied at the end "
+        "of round k+1",
+    )
 
 
 class Config(Section):

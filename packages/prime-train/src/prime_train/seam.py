@@ -11,11 +11,18 @@ from typing import Any, Protocol
 
 
 class OuterStep(Protocol):
+    """With `overlapped = True` (optional attribute, default False) `start` returns with the
+    step's communication in flight and the loop goes on training; the next `start` completes
+    it first, and the loop calls `finish` only after the last step's `start`."""
+
     def start(self, step: int) -> None:
         """Begin the outer step that follows inner step `step` (the model holds its weights)."""
 
     def finish(self) -> Any:
         """Complete the step begun by `start`; the model then holds the new weights."""
+
+    def add_compute_time(self, seconds: float) -> None:
+        """The loop reports each inner step's duration (for compute utilisation)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state to checkpoint, as live tensors and plain values (loaded in place)."""

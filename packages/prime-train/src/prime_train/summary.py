@@ -113,7 +113,15 @@ def _diloco_line(d: dict | None) -> str:
         f"  DiLoCo: {d['outer_steps']} outer steps (H={d['inner_steps']}, outer lr "
         f"{d['outer_lr']}, momentum {d['outer_momentum']}, {d['compression']}), "
         f"{d['comm_bytes'] / 1e6:.2f} MB sent in {d['comm_seconds']:.1f} s of all-reduce, "
-        f"{d['nodes_now']} node(s) at the end\n"
+        f"{d['nodes_now']} node(s) at the end"
+        + (
+            f"; overlap {d.get('overlap', 'none')}, compute utilisation "
+            f"{d['compute_utilisation']:.2f} (inner compute {d['compute_seconds']:.1f} s of "
+            f"{d['round_seconds']:.1f} s)"
+            if d.get("compute_utilisation") is not None
+            else ""
+        )
+        + "\n"
     )
 
 

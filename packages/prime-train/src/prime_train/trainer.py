@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from prime_train.config import Config
-from prime_train.diloco import Diloco
+from prime_train.diloco import make_outer_step
 from prime_train.metrics import Log
 from prime_train.optim import lr_at
 from prime_train.placement import Placement, init_placement
@@ -100,7 +100,7 @@ def train(
         run = Run(cfg, placement, log)
         mesh = placement.membership.mesh if placement.membership is not None else None
         if outer is None and mesh is not None:
-            outer = Diloco(
+            outer = make_outer_step(
                 cfg.diloco,
                 mesh,
                 run.params,
@@ -111,6 +111,9 @@ def train(
         attach_reporting(cfg, run, mesh)
         return train_loop(run, outer)
     finally:
+        close = getattr(outer, "close", None)
+        if close is not None:  # an overlapped outer step may still have a round in flight
+            close()
         if run is not None:
             run.close()
         placement.close()
@@ -134,16 +137,22 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
             run.checkpoint(0, outer)
 
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
+    # an overlapped outer step returns from start() with its all-reduce in flight
+    overlapped = bool(getattr(outer, "overlapped", False))
     step = start
     with StopSignal() as stop:
         for step in range(start + 1, total + 1):
+            t = time.perf_counter()
             meter.add(run.inner_step(step))
+            if outer is not None:
+                outer.add_compute_time(time.perf_counter() - t)
 
             # DiLoCo: every H inner steps, one outer step syncs the node replicas
             at_outer_boundary = step % cfg.diloco.inner_steps == 0 or step == total
             if outer is not None and at_outer_boundary:
                 outer.start(step)
-                outer.finish()
+                if not overlapped or step == total:  # the final model is the outer weights
+                    outer.finish()
 
             if step % cfg.run.log_every == 0 or step == total:
                 meter.report(step)

@@ -3,6 +3,8 @@
 Read `outer_step.py` to follow one outer step from start to finish.
 """
 
+from prime_train.config import DilocoConfig
+from prime_train.diloco.delayed import DelayedDiloco
 from prime_train.diloco.membership import Membership, uses_mesh
 from prime_train.diloco.outer_optimizer import OuterOptimizer, local_tensor
 from prime_train.diloco.outer_step import (
@@ -12,7 +14,14 @@ from prime_train.diloco.outer_step import (
     OuterStepReport,
 )
 
+
+def make_outer_step(cfg: DilocoConfig, *args, **kwargs) -> Diloco:
+    """`Diloco` for `overlap = "none"`, `DelayedDiloco` for "delayed" (same arguments)."""
+    return (DelayedDiloco if cfg.overlap == "delayed" else Diloco)(cfg, *args, **kwargs)
+
+
 __all__ = [
+    "DelayedDiloco",
     "Diloco",
     "Membership",
     "NoCommonCheckpoint",
@@ -20,5 +29,6 @@ __all__ = [
     "OuterStepFailed",
     "OuterStepReport",
     "local_tensor",
+    "make_outer_step",
     "uses_mesh",
 ]

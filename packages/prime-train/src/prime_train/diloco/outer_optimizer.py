@@ -64,14 +64,38 @@ class OuterOptimizer:
         return self.pseudo_gradient
 
     @torch.no_grad()
-    def apply(self) -> None:
-        """Nesterov SGD with the (averaged) pseudo-gradient, then copy the weights into the model."""
+    def apply(self, to_model: bool = True) -> None:
+        """Nesterov SGD with the (averaged) pseudo-gradient, then (unless `to_model` is False)
+        copy the new outer weights into the model."""
         g = self.pseudo_gradient
         self.momentum_buffer.mul_(self.momentum).add_(g)
         update = g.add(self.momentum_buffer, alpha=self.momentum)
         self.weights.sub_(update, alpha=self.lr)
+        if to_model:
+            self.load_into_model()
+
+    @torch.no_grad()
+    def load_into_model(self) -> None:
+        """Copy the outer weights into the model."""
         for view, p in zip(self._weight_views, self.params, strict=True):
             local_tensor(p).copy_(view)
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter views of a flat buffer laid out like the outer weights."""
+        return [flat[w.storage_offset() : w.storage_offset() + w.numel()].view(w.shape)
+                for w in self._weight_views]  # fmt: skip
+
+    @torch.no_grad()
+    def copy_model_into(self, flat: Tensor) -> None:
+        """flat = the model's current weights (this rank's shards), laid out like `weights`."""
+        for view, p in zip(self.views(flat), self.params, strict=True):
+            view.copy_(local_tensor(p).detach())
+
+    @torch.no_grad()
+    def shift_model(self, delta: Tensor) -> None:
+        """model weights += delta (a flat buffer laid out like `weights`)."""
+        for view, p in zip(self.views(delta), self.params, strict=True):
+            local_tensor(p).add_(view)
 
     def digest(self) -> str:
         """SHA-256 of this rank's outer weights: equal on every node after an outer step."""

@@ -11,9 +11,11 @@ Every H inner steps the trainer calls `start(step)` then `finish()`:
    re-forms without the suspect, and the attempt is repeated over the nodes actually present.
 3. The report (time, bytes, nodes, epoch, weight hash) goes to the log and the metrics.
 
-Today `finish` follows `start` at once; the split is where an overlapped outer step will run
-the all-reduce in the background while the next inner steps compute. Where to resume is agreed
-here too (`agree_resume_step`), and so will be a joiner's live recovery.
+Here `finish` follows `start` at once (`[diloco] overlap = "none"`); `diloco/delayed.py` builds
+the overlapped step on the same pieces, its all-reduce running in the background while the
+next inner steps compute. Where to resume is agreed here too (`agree_resume_step`). Every row
+also carries the round's compute utilisation: inner compute time (`add_compute_time`, from the
+loop) over the wall time since the previous outer step ended.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class OuterStepReport:
     nodes: int
     epoch: int
     outer_sha256: str
+    compute_seconds: float = 0.0  # inner compute of the round that ended with this report
+    round_seconds: float = 0.0  # its wall time (from the previous outer step's end)
 
 
 class Diloco:
@@ -88,6 +92,8 @@ class Diloco:
     Implements the trainer's `OuterStep` seam whole: the step (`start`/`finish`), its state
     for checkpoints, loading it, and agreeing where to resume.
     """
+
+    overlapped = False  # `finish` follows `start` at once
 
     def __init__(
         self,
@@ -105,12 +111,21 @@ class Diloco:
         self.node_group = node_group if node_group and dist.get_world_size(node_group) > 1 else None
         self.optimizer = OuterOptimizer(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         self.max_retries = max_retries
-        self.totals = {"outer_steps": 0, "comm_bytes": 0, "comm_seconds": 0.0}
+        self.totals = {"outer_steps": 0, "comm_bytes": 0, "comm_seconds": 0.0,
+                       "compute_seconds": 0.0, "round_seconds": 0.0}  # fmt: skip
+        self._compute = 0.0  # inner compute since the last outer step ended
+        self._boundary: float | None = None  # when the last outer step ended
         self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
         self._last_epoch = mesh.epoch
         self._nodes_now = mesh.global_world_size  # as of the last outer step
 
     # -- the outer step ---------------------------------------------------------------------
+
+    def add_compute_time(self, seconds: float) -> None:
+        """The loop reports each inner step's time (for the compute utilisation figure)."""
+        if self._boundary is None:  # the first round begins with its first inner step
+            self._boundary = time.monotonic() - seconds
+        self._compute += seconds
 
     def start(self, step: int) -> None:
         """Begin the outer step that follows inner step `step`: compute the pseudo-gradient."""
@@ -167,9 +182,17 @@ class Diloco:
         return stats, None
 
     def _record(
-        self, step: int, attempts: int, seconds: float, stats: prime_comm.AllReduceStats | None
+        self,
+        step: int,
+        attempts: int,
+        seconds: float,
+        stats: prime_comm.AllReduceStats | None,
+        extra: dict[str, Any] | None = None,
+        note: str = "",
     ) -> OuterStepReport:
+        """Count, log and write one applied outer step (`extra`: more keys for its row)."""
         shards, node_bytes = self._node_figures(stats.bytes_sent if stats else 0)
+        compute, wall = self._end_round()
         t = self.totals
         t["outer_steps"] += 1
         t["comm_bytes"] += node_bytes
@@ -189,6 +212,8 @@ class Diloco:
                 if len(shards) == 1
                 else hashlib.sha256("".join(shards).encode()).hexdigest()
             ),
+            compute_seconds=compute,
+            round_seconds=wall,
         )
         self._nodes_now = report.nodes
         if report.epoch != self._last_epoch:
@@ -202,6 +227,8 @@ class Diloco:
             f"(all-reduce {report.allreduce_seconds:.2f} s, {report.bytes_sent / 1e6:.2f} MB "
             f"sent, {self.cfg.compression}) | {report.nodes} node(s), epoch {report.epoch}"
             + (f" | {attempts} attempts" if attempts > 1 else "")
+            + note
+            + (f" | compute {compute:.2f} of {wall:.2f} s ({compute / wall:.0%})" if wall else "")
         )
         if self.metrics is not None:
             self.metrics.write(
@@ -216,9 +243,24 @@ class Diloco:
                     "attempts": report.attempts,
                     "outer_sha256": report.outer_sha256,
                     **({"shard_sha256": shards} if len(shards) > 1 else {}),
+                    **(extra or {}),
+                    "compute_s": compute,
+                    "round_s": wall,
+                    "compute_utilisation": compute / wall if wall else None,
                 }
             )
         return report
+
+    def _end_round(self) -> tuple[float, float]:
+        """(inner compute, wall) seconds of the round since the last outer step ended; the
+        next round's wall clock starts now (the caller's remaining work is counted in it)."""
+        now = time.monotonic()
+        compute, wall = self._compute, now - self._boundary if self._boundary else 0.0
+        self._compute, self._boundary = 0.0, now
+        if wall:
+            self.totals["compute_seconds"] += compute
+            self.totals["round_seconds"] += wall
+        return compute, wall
 
     def _node_figures(self, bytes_sent: int) -> tuple[list[str], int]:
         """The SHA-256 of each local rank's shard of the outer weights (in local rank order)
@@ -264,8 +306,13 @@ class Diloco:
     def summary(self) -> dict[str, Any]:
         """Totals and settings for the run's summary."""
         d = self.cfg
+        t = self.totals
         return {
-            **self.totals,
+            **t,
+            "compute_utilisation": (
+                t["compute_seconds"] / t["round_seconds"] if t["round_seconds"] else None
+            ),
+            "overlap": d.overlap,
             "inner_steps": d.inner_steps,
             "outer_lr": d.outer_lr,
             "outer_momentum": d.outer_momentum,

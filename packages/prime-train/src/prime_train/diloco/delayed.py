@@ -1,0 +1,190 @@
+"""The overlapped outer step (`[diloco] overlap = "delayed"`): round k's all-reduce runs in a
+background thread while round k+1's inner steps compute; its update lands one round late.
+
+Buffers (flat, CPU, float32, this rank's shards): the outer weights O and momentum (as in
+`Diloco`), the pseudo-gradient P in flight, and X, the replica's weights when the current round
+began. With θ the model (the local replica):
+
+- `start(step)` at the end of round k+1: wait for round k's background round, then
+  - if it committed: O' = O - lr * nesterov(avg P) (momentum updated), else O' = O (dropped);
+  - rebase the replica: θ <- θ + (O' - X), i.e. θ = O' + (θ - X): the new outer weights plus
+    this round's own progress. Written with Δ = O' - O and g_k = O - X this node's own round-k
+    pseudo-gradient: θ <- θ + Δ + g_k (the replica takes the same delta as the outer weights
+    and gives back its own round-k contribution, which the average now stands for);
+  - P = O' - θ (round k+1's pseudo-gradient: θ - X, its own progress), X = θ, and the
+    background thread starts round k+1: `maybe_reinit_global_pg`, the compressed all-reduce
+    of P on the inter-node group, `should_commit`. The main thread calls none of them while a
+    round is in flight; it only joins the thread. P is written only when no round is in flight.
+- `finish()` (the loop calls it only at the last step): wait for the round in flight, apply
+  it, and load the outer weights O into the model: the final model, evaluation and checkpoint
+  are the outer weights, not a replica.
+- `state_dict()` (a checkpoint, also at a stop) waits for the round in flight and saves its
+  averaged P with the vote's outcome, unapplied, beside O, momentum and X; the model holds the
+  replica. A resumed run applies it at the end of the next round, as the uninterrupted run does.
+
+A failed all-reduce votes no: the round is dropped on every node (O unchanged, each replica
+gives back its own contribution) and the next round's sync point re-forms the group.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+import prime_comm
+from prime_train.diloco.outer_step import Diloco
+
+# Fault hook for tests: every background round waits this long between its sync point and
+# its all-reduce, so that a test can kill or stop a node while a round is in flight.
+_HOLD_S = float(os.environ.get("PRIME_TRAIN_FAULT_HOLD_ROUND_S", "0") or 0)
+
+_NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
+             "bytes_sent": 0, "nodes": 0, "epoch": 0, "error": ""}  # fmt: skip
+
+
+class DelayedDiloco(Diloco):
+    """DiLoCo whose outer all-reduce overlaps the next round's inner steps (see module doc)."""
+
+    overlapped = True  # the loop calls `finish` only at the last step
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        opt = self.optimizer
+        self.round_start = opt.weights.clone()  # X: the model holds the outer weights now
+        self._round: dict[str, Any] = dict(_NO_ROUND)  # the round in flight or done, unapplied
+        self._thread: threading.Thread | None = None
+        self._fatal: BaseException | None = None
+        self._last_step = 0
+        self._rounds = 0  # rounds started in this process (names the threads)
+
+    # -- the outer step ---------------------------------------------------------------------
+
+    def start(self, step: int) -> None:
+        """End of a round: apply the previous round's update, rebase the replica on it, and
+        start this round's all-reduce in the background."""
+        opt = self.optimizer
+        self._last_step = step
+        waited = self._wait()
+        if self._round["state"] != "none":
+            self._apply_round(step, waited)
+            # θ <- θ + (O' - X): the round start becomes the new outer weights' offset
+            torch.sub(opt.weights, self.round_start, out=self.round_start)
+            opt.shift_model(self.round_start)
+        else:  # the first round (or the first after a settle): no update to apply yet
+            self._end_round()
+        opt.compute_pseudo_gradient()  # P = O' - θ
+        opt.copy_model_into(self.round_start)  # X = θ
+        self._round = dict(_NO_ROUND, state="running", step=step)
+        self._rounds += 1
+        self._thread = threading.Thread(
+            target=self._background_round,
+            args=(self._round,),
+            name=f"prime-outer-{self._rounds}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Settle: wait for the round in flight, apply it, and load the outer weights."""
+        waited = self._wait()
+        if self._round["state"] != "none":
+            self._apply_round(self._last_step, waited)
+        self.optimizer.load_into_model()
+        self.round_start.copy_(self.optimizer.weights)
+
+    def _background_round(self, rnd: dict[str, Any]) -> None:
+        """One attempt, in the background thread: sync point, all-reduce, vote."""
+        mesh, t0 = self.mesh, time.monotonic()
+        try:
+            mesh.maybe_reinit_global_pg()
+            if _HOLD_S:  # fault hook for tests: keep the round in flight a while
+                self._info(f"holding the outer round of step {rnd['step']} for {_HOLD_S:g} s")
+                time.sleep(_HOLD_S)
+            stats, error = self._average()
+            committed = mesh.should_commit(error is None)
+            rnd.update(
+                state="committed" if committed else "dropped",
+                seconds=time.monotonic() - t0,
+                allreduce_seconds=stats.seconds if stats else 0.0,
+                bytes_sent=stats.bytes_sent if stats else 0,
+                nodes=mesh.global_world_size,
+                epoch=mesh.epoch,
+                error="" if committed else (error or "a peer failed"),
+            )
+        except BaseException as e:  # the mesh is gone (coordinator lost, closed): re-raised
+            self._fatal = e
+            rnd.update(state="failed", error=f"{type(e).__name__}: {e}")
+
+    def _wait(self) -> float:
+        """Join the round in flight (if any); seconds the caller waited for it."""
+        if self._thread is None:
+            return 0.0
+        t = time.monotonic()
+        self._thread.join()
+        self._thread = None
+        if self._fatal is not None:
+            fatal, self._fatal = self._fatal, None
+            raise fatal  # as the synchronous step would (the CLI reports MeshError in one line)
+        return time.monotonic() - t
+
+    def _apply_round(self, step: int, waited: float) -> None:
+        """Apply the finished round's averaged pseudo-gradient to the outer weights (or drop
+        it), and report it; the model is not touched."""
+        rnd, self._round = self._round, dict(_NO_ROUND)
+        if rnd["state"] != "committed":
+            self._warn(
+                f"outer round of step {rnd['step']} not committed ({rnd['error']}); dropped on "
+                "every node: outer weights unchanged, each replica gives back its own update"
+            )
+            self._end_round()
+            return
+        self.optimizer.apply(to_model=False)
+        stats = prime_comm.AllReduceStats(
+            bytes_sent=int(rnd["bytes_sent"]),
+            bytes_received=0,
+            seconds=float(rnd["allreduce_seconds"]),
+            numel=self.optimizer.weights.numel(),
+            world_size=int(rnd["nodes"]),
+            compression=self.cfg.compression,
+        )
+        self._record(
+            step,
+            1,
+            float(rnd["seconds"]),
+            stats,
+            extra={"round_step": int(rnd["step"]), "waited_s": waited},
+            note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
+        )
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Outer state plus the finished, unapplied round (waits for the round in flight)."""
+        self._wait()
+        return {
+            **super().state_dict(),
+            "averaged": self.optimizer.pseudo_gradient,
+            "round_start": self.round_start,
+            "round": self._round,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for key, buf in (("averaged", self.optimizer.pseudo_gradient),
+                         ("round_start", self.round_start)):  # fmt: skip
+            if state[key] is not buf:
+                buf.copy_(state[key])
+        self._round = dict(_NO_ROUND, **state["round"])
+
+    def close(self, timeout: float = 60.0) -> None:
+        """On the way out (the loop failed with a round in flight): give the round `timeout`
+        seconds to end before the mesh closes; never hang the exit on it (daemon thread)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._warn(f"the background outer round did not end within {timeout:g} s")
+            self._thread, self._fatal = None, None
