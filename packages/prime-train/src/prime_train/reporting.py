@@ -85,5 +85,5 @@ def attach_reporting(cfg: Config, run: Any, mesh: Any | None) -> None:
 
         leader = first_member(mesh) if mesh is not None else (lambda: True)
         run.metrics.sinks.append(
-            Trackers(cfg, run.run_dir, leader, run.log, node=run.placement.node)
+            Trackers(cfg, run.run_dir, leader, run.log, node=run.placement.node.index)
         )
