@@ -2,6 +2,8 @@
 per-slot token cache; bad input is one clear line; memory stays bounded by a few parts."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +69,14 @@ def test_parquet_slots_cover_the_corpus_once_with_workers(parquet_corpus, tmp_pa
     mtime = slots[1].train.stat().st_mtime_ns
     again = build_slot_tokens(spec, tmp_path / "cache", 1, 3, workers=2)
     assert again == slots[1] and again.train.stat().st_mtime_ns == mtime
+    # keyed by content: the corpus copied to another folder (another machine's path), or a
+    # file rewritten with the same bytes, finds the same cache
+    copy = tmp_path / "copy"
+    shutil.copytree(files[0].parent, copy)
+    moved = CorpusSpec(str(copy), "parquet", "text", "byte", 0.1)
+    assert build_slot_tokens(moved, tmp_path / "cache", 1, 3, workers=0) == slots[1]
+    os.utime(files[0], ns=(1, 1))
+    assert build_slot_tokens(spec, tmp_path / "cache", 1, 3, workers=0) == slots[1]
     pq.write_table(pa.table({"text": docs_for(9, 40)}), files[0], row_group_size=20)
     assert build_slot_tokens(spec, tmp_path / "cache", 1, 3).train != slots[1].train
     # fewer training parts than slots: every slot shares the whole training set

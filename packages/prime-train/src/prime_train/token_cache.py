@@ -9,8 +9,10 @@ place. Memory stays bounded by what the workers hold (one batch of documents eac
 the corpus; a crash never leaves a torn cache, and concurrent builders race to an
 identical result.
 
-Files are keyed by the data (each file's path, size and modification time), the tokenizer,
-the text field and the slot layout: a re-run reuses them, a changed file rebuilds them.
+Files are keyed by the data's content (each file's name and SHA-256, so the same corpus under
+another folder or copied to another machine finds the same cache), the tokenizer, the text
+field and the slot layout: a re-run reuses them, a changed file rebuilds them. A file's
+digest is computed once per version of it (remembered by path, size, mtime and inode).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from prime_train.corpus import Part, documents, list_parts, resolve_files, split
 from prime_train.files import write_atomic
 from prime_train.tokens import DataError, make_tokenizer
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,27 @@ class SlotTokens:
     parts: int
 
 
-def _key(spec: CorpusSpec, tokenizer_name: str, files: list[Path], what: str) -> str:
-    src = [CACHE_VERSION, spec.source, spec.text_field, tokenizer_name, spec.heldout_fraction]
-    for f in files:
-        st = f.stat()
-        src.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-    src.append(what)
+def content_digest(path: Path, cache_dir: Path) -> str:
+    """SHA-256 of a file's bytes, remembered under `cache_dir/digests` for this version of
+    the file (path, size, mtime, inode), so a re-run reads only the files that changed."""
+    st = path.stat()
+    stamp = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino])
+    memo = cache_dir / "digests" / hashlib.sha256(stamp.encode()).hexdigest()[:32]
+    try:
+        return memo.read_text()
+    except FileNotFoundError:
+        pass
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(memo, digest)
+    return digest
+
+
+def _key(spec: CorpusSpec, tokenizer_name: str, files: list[Path], cache_dir: Path) -> str:
+    src: list = [CACHE_VERSION, spec.source, spec.text_field, tokenizer_name]
+    src.append(spec.heldout_fraction)
+    src += [[f.name, content_digest(f, cache_dir)] for f in files]
     return hashlib.sha256(json.dumps(src).encode()).hexdigest()[:20]
 
 
@@ -144,7 +161,7 @@ def build_slot_tokens(
     shared = len(train) < slots
     mine = train if shared else train[slot::slots]
     what = "train" if shared else f"train-{slot}-of-{slots}"
-    out = cache_dir / _key(spec, tok.name, files, "")
+    out = cache_dir / _key(spec, tok.name, files, cache_dir)
     train_file, held_file = out / f"{what}.npy", out / "heldout.npy"
     for dest, parts in ((held_file, held), (train_file, mine)):
         if not dest.is_file():
