@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from prime_train.checkpointing import checkpoint_dir
 from prime_train.config import Config
 from prime_train.config_load import ConfigError
-from prime_train.diloco.membership import Membership, uses_mesh
+from prime_train.diloco.membership import Membership, count_live_members, uses_mesh
 from prime_train.metrics import Log
 
 NODE_ENV = "PRIME_LOCAL_NODE"  # set by the local launcher: this process is simulated node k
@@ -135,16 +135,27 @@ def init_placement(cfg: Config) -> Placement:
         membership = None
         if uses_mesh(cfg):
             early = Log(f"[node {local if local is not None else '?'}]", primary=True)
+            live = [None]
+            if dist.get_world_size() > 1:  # the node's ranks decide alike: rank 0 asks
+                if device_mesh.get_local_rank() == 0:
+                    token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
+                    live = [count_live_members(cfg.mesh.coordinator, token)]
+                dist.broadcast_object_list(live, src=0, group=device_mesh.get_group())
             membership = Membership.join(
-                cfg, ckpt_dir, serve=device_mesh.get_local_rank() == 0, warn=early.warn
+                cfg,
+                ckpt_dir,
+                serve=device_mesh.get_local_rank() == 0,
+                warn=early.warn,
+                live_members=live[0],
             )
             mesh = membership.mesh
-            node = NodeIdentity(
-                index=local if local is not None else mesh.global_rank,
-                count=max(cfg.launch.local_nodes, mesh.global_world_size),
-                launcher_index=local,
-                name=name,
-            )
+            if membership.joining:  # not admitted yet: its rank comes later
+                index = local if local is not None else membership.members_seen
+                count = max(cfg.launch.local_nodes, index + 1, membership.members_seen + 1)
+            else:
+                index = local if local is not None else mesh.global_rank
+                count = max(cfg.launch.local_nodes, mesh.global_world_size)
+            node = NodeIdentity(index=index, count=count, launcher_index=local, name=name)
     except BaseException:
         if owns and dist.is_initialized():
             dist.destroy_process_group()

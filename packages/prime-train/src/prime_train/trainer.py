@@ -89,7 +89,12 @@ def train(
         torch.set_num_threads(cfg.train.threads)
     placement = placement or init_placement(cfg)
     log = log or Log(placement.prefix, primary=placement.rank == 0)
-    if placement.membership is not None:
+    if placement.membership is not None and placement.membership.joining:
+        log.info(
+            f"registered with the running job as {placement.membership.mesh.node_id} "
+            f"({placement.membership.members_seen} member(s)): waiting, fetching their state"
+        )
+    elif placement.membership is not None:
         mesh = placement.membership.mesh
         log.info(
             f"joined the mesh as {mesh.node_id}: epoch {mesh.epoch}, "
@@ -119,6 +124,39 @@ def train(
         placement.close()
 
 
+def enter_running_job(run: Run, outer: OuterStep, loaded: int) -> int:
+    """A joiner's entry outer step, right after it loaded the members' checkpoint of step
+    `loaded` and said ready: admitted at the members' sync point that ends the round they
+    started from that checkpoint, it contributes a zero pseudo-gradient (its model is the
+    outer weights) and applies the same averaged update. Returns the step it continues from."""
+    step = min(loaded + run.cfg.diloco.inner_steps, run.cfg.train.steps)
+    outer.contributing = False  # type: ignore[attr-defined]
+    try:
+        outer.start(step)
+        report = outer.finish()
+    finally:
+        outer.contributing = True  # type: ignore[attr-defined]
+    info = run.joined or {}
+    run.log.info(
+        f"entered the running job at outer step {getattr(report, 'outer_step', '?')} "
+        f"(step {step}), donor {info.get('donor')}: {info.get('bytes', 0) / 1e6:.2f} MB "
+        f"fetched in {info.get('seconds', 0.0):.2f} s"
+    )
+    run.metrics.write(
+        {
+            "step": step,
+            "joined": True,
+            "donor": info.get("donor"),
+            "fetched_step": loaded,
+            "fetch_bytes": info.get("bytes"),
+            "fetch_seconds": info.get("seconds"),
+            "load_seconds": info.get("load_seconds"),
+        }
+    )
+    run.progress["step"] = step
+    return step
+
+
 def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     """The loop: inner steps, the outer step every H steps, progress lines, evaluation,
     checkpoints, and a clean stop on SIGINT/SIGTERM."""
@@ -130,6 +168,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     if start >= total:
         log.info(f"the run is already complete ({start}/{total} steps); nothing to do")
     run.metrics.open(start)
+    if run.joined is not None and outer is not None:
+        start = enter_running_job(run, outer, start)
     eval_loss: float | None = None
     if start == 0:
         eval_loss = run.evaluate_and_record(0)
@@ -159,6 +199,9 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
             # with DiLoCo a stop waits for the next outer step, so checkpoints hold synced weights
             stopping = stop.agreed(run.placement) and (outer is None or at_outer_boundary)
             checkpoint_due = run.ckpt.due(step) and (outer is None or at_outer_boundary)
+            if outer is not None and at_outer_boundary and not checkpoint_due:
+                # a node waiting to join fetches the state of the round that starts now
+                checkpoint_due = bool(getattr(outer, "joiners_waiting", lambda: False)())
             with meter.paused():  # evaluation and checkpoints are not training time
                 if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
                     eval_loss = run.evaluate_and_record(step)

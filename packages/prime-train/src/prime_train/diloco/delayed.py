@@ -100,11 +100,11 @@ class DelayedDiloco(Diloco):
         """One attempt, in the background thread: sync point, all-reduce, vote."""
         mesh, t0 = self.mesh, time.monotonic()
         try:
-            mesh.maybe_reinit_global_pg()
+            regrouped = mesh.maybe_reinit_global_pg()
             if _HOLD_S:  # fault hook for tests: keep the round in flight a while
                 self._info(f"holding the outer round of step {rnd['step']} for {_HOLD_S:g} s")
                 time.sleep(_HOLD_S)
-            stats, error = self._average()
+            stats, error = self._average(regrouped=regrouped)
             committed = mesh.should_commit(error is None)
             rnd.update(
                 state="committed" if committed else "dropped",

@@ -22,18 +22,37 @@ def uses_mesh(cfg: Config) -> bool:
 
 
 class Membership:
-    """An `ElasticDeviceMesh` joined with this node's metadata, plus its checkpoint server."""
+    """An `ElasticDeviceMesh` joined with this node's metadata, plus its checkpoint server.
 
-    def __init__(self, mesh: ElasticDeviceMesh, server: Any | None):
+    `joining` is True for a node that found live members when it started (a node joining a
+    running job, or one restarted after it died): it registers *waiting* and must fetch the
+    members' state (`prime_train.diloco.join`) before it says `mesh.ready()`. `members_seen`
+    is how many members it saw then."""
+
+    def __init__(
+        self,
+        mesh: ElasticDeviceMesh,
+        server: Any | None,
+        joining: bool = False,
+        members_seen: int = 0,
+        token: str | None = None,
+    ):
         self.mesh, self.server = mesh, server
+        self.joining, self.members_seen, self.token = joining, members_seen, token
 
     @classmethod
-    def join(cls, cfg: Config, ckpt_dir: Path, serve: bool, warn) -> Membership:
+    def join(
+        cls, cfg: Config, ckpt_dir: Path, serve: bool, warn, live_members: int | None = None
+    ) -> Membership:
         """Serve `ckpt_dir` to joining peers (if `serve`: local rank 0), then join the mesh,
-        advertising the config hash and the server's URL."""
+        advertising the config hash and the server's URL. With live members (counted here
+        unless `live_members` is given, e.g. by the node's local rank 0), the node registers
+        waiting (`wait_until_ready=True`): nobody waits for it while it fetches their state."""
         from prime_mesh import ElasticDeviceMesh
 
         token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
+        if live_members is None:
+            live_members = count_live_members(cfg.mesh.coordinator, token)
         server = _serve_checkpoints(cfg, ckpt_dir, token, warn) if serve else None
         try:
             mesh = ElasticDeviceMesh(
@@ -46,18 +65,39 @@ class Membership:
                 token=token,
                 heartbeat_interval=cfg.mesh.heartbeat_interval_s,
                 heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
+                wait_until_ready=live_members > 0,
             )
         except BaseException:
             if server is not None:
                 server.close()
             raise
-        return cls(mesh, server)
+        return cls(mesh, server, joining=live_members > 0, members_seen=live_members, token=token)
+
+    def donors(self) -> list[tuple[str, str]]:
+        """(node_id, serve_url) of every member that serves its checkpoints, in rank order."""
+        return [
+            (str(m["node_id"]), str(m["metadata"]["serve_url"]))
+            for m in self.mesh.members()
+            if m.get("state") == "member" and (m.get("metadata") or {}).get("serve_url")
+        ]
 
     def close(self) -> None:
         """Leave the mesh gracefully and stop serving checkpoints."""
         self.mesh.close()
         if self.server is not None:
             self.server.close()
+
+
+def count_live_members(coordinator: str, token: str | None) -> int:
+    """How many members the running job has now (0: it is forming or resuming; or the
+    coordinator cannot say, and joining it will report why)."""
+    from prime_mesh import query_status
+
+    try:
+        nodes = query_status(coordinator, token=token)["nodes"]
+    except Exception:
+        return 0
+    return sum(1 for n in nodes if n.get("state") == "member")
 
 
 def _serve_checkpoints(cfg: Config, ckpt_dir: Path, token: str | None, warn):

@@ -69,6 +69,11 @@ class OuterStepFailed(RuntimeError):
     """The outer step could not be agreed on within the allowed retries."""
 
 
+class JoinedLate(RunDirError):
+    """A joiner was admitted at a later outer step than the state it loaded: its weights
+    would differ from the members', so it leaves (the members go on without waiting)."""
+
+
 @dataclass
 class OuterStepReport:
     """What one applied outer step cost and who took part."""
@@ -82,6 +87,7 @@ class OuterStepReport:
     nodes: int
     epoch: int
     outer_sha256: str
+    contributors: int = 0  # nodes whose pseudo-gradients were averaged (a joiner's is not)
     compute_seconds: float = 0.0  # inner compute of the round that ended with this report
     round_seconds: float = 0.0  # its wall time (from the previous outer step's end)
 
@@ -116,8 +122,14 @@ class Diloco:
         self._compute = 0.0  # inner compute since the last outer step ended
         self._boundary: float | None = None  # when the last outer step ended
         self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
-        self._last_epoch = mesh.epoch
-        self._nodes_now = mesh.global_world_size  # as of the last outer step
+        admitted = mesh.state == "member"  # a joiner is not admitted before its first step
+        self._last_epoch = mesh.epoch if admitted else None
+        self._nodes_now = mesh.global_world_size if admitted else 0  # as of the last outer step
+        # False for a joiner's entry step: it brings no pseudo-gradient (zero), and the
+        # average is taken over the nodes that contributed
+        self.contributing = True
+        self._contributors = 0  # of the last average
+        self._late: str | None = None  # a joiner admitted after the state it loaded
 
     # -- the outer step ---------------------------------------------------------------------
 
@@ -144,9 +156,11 @@ class Diloco:
             for attempt in range(1, self.max_retries + 2):
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
                     self.optimizer.compute_pseudo_gradient()
-                self.mesh.maybe_reinit_global_pg()
-                stats, error = self._average()
+                regrouped = self.mesh.maybe_reinit_global_pg()
+                stats, error = self._average(regrouped=regrouped)
                 if self.mesh.should_commit(error is None):
+                    if self._late is not None:  # the members commit; this node leaves
+                        raise JoinedLate(self._late)
                     self.optimizer.apply()
                     return self._record(step, attempt, time.monotonic() - t0, stats)
                 errors.append(error or "a peer failed")
@@ -161,10 +175,44 @@ class Diloco:
             "outer weights are unchanged"
         )
 
-    def _average(self) -> tuple[prime_comm.AllReduceStats | None, str | None]:
-        """All-reduce (average) the pseudo-gradient in place; returns (stats, error)."""
+    def _average(
+        self, regrouped: bool = False
+    ) -> tuple[prime_comm.AllReduceStats | None, str | None]:
+        """All-reduce (average) the pseudo-gradient in place; returns (stats, error).
+
+        After the group changed (`regrouped`: the same on every member) the nodes first sum a
+        two-number header: how many contribute a pseudo-gradient (a joiner's entry step does
+        not) and their outer step counts, which must all be equal. The average is then over
+        the contributors: every node scales the same bits by the same factor."""
         mesh, t = self.mesh, time.monotonic()
+        world = mesh.global_world_size
+        self._contributors = world
         try:
+            if regrouped or not self.contributing:
+                header = torch.tensor(
+                    [float(self.contributing), float(self.totals["outer_steps"])],
+                    dtype=torch.float32,
+                )
+                prime_comm.all_reduce(
+                    header,
+                    group=mesh.global_pg,
+                    op="sum",
+                    compression="none",
+                    timeout=mesh.collective_timeout(),
+                    should_abort=mesh.should_abort,
+                )
+                self._contributors = round(float(header[0]))
+                mine = self.totals["outer_steps"]
+                if float(header[1]) != float(world * mine):
+                    if not self.contributing:
+                        others = (float(header[1]) - mine) / max(world - 1, 1)
+                        self._late = (
+                            f"admitted after {others:.0f} outer steps but loaded the state "
+                            f"of {mine}: the fetch outlasted a round. Rerun the same command "
+                            "to join again"
+                        )
+                    else:
+                        self._warn("a node entered with another outer step count; it leaves")
             stats = prime_comm.all_reduce(
                 self.optimizer.pseudo_gradient,
                 group=mesh.global_pg,
@@ -177,6 +225,8 @@ class Diloco:
             mesh.record_collective(time.monotonic() - t, ok=False)
             return None, f"{type(e).__name__}: {e}"
         mesh.record_collective(time.monotonic() - t)
+        if 0 < self._contributors < world:  # the average over the nodes that contributed
+            self.optimizer.pseudo_gradient.mul_(world / self._contributors)
         if not bool(torch.isfinite(self.optimizer.pseudo_gradient).all()):
             return stats, "averaged pseudo-gradient is not finite"
         return stats, None
@@ -207,6 +257,7 @@ class Diloco:
             nodes=self.mesh.global_world_size,
             epoch=self.mesh.epoch,
             # several ranks: the hash of the shards' hashes, in local rank order
+            contributors=self._contributors or self.mesh.global_world_size,
             outer_sha256=(
                 shards[0]
                 if len(shards) == 1
@@ -239,6 +290,7 @@ class Diloco:
                     "allreduce_seconds": report.allreduce_seconds,
                     "bytes_sent": report.bytes_sent,
                     "nodes": report.nodes,
+                    "contributors": report.contributors,
                     "epoch": report.epoch,
                     "attempts": report.attempts,
                     "outer_sha256": report.outer_sha256,
@@ -302,6 +354,17 @@ class Diloco:
                 "to start the run over, move every node's checkpoints aside"
             )
         return max(common) if common else None
+
+    def joiners_waiting(self) -> bool:
+        """Whether a node is registered but not a member yet (it needs the state of the round
+        that starts now: the loop then checkpoints). The node's ranks answer alike."""
+        try:
+            mine = [any(m.get("state") != "member" for m in self.mesh.members())]
+        except Exception:  # the coordinator is briefly unreachable: the next boundary asks
+            mine = [False]
+        if self.node_group is not None:
+            dist.broadcast_object_list(mine, group_src=0, group=self.node_group)
+        return bool(mine[0])
 
     def summary(self) -> dict[str, Any]:
         """Totals and settings for the run's summary."""
