@@ -179,8 +179,11 @@ from pathlib import Path
 from prime_train.token_cache import CorpusSpec, build_slot_tokens
 if __name__ == "__main__":
     out = build_slot_tokens(CorpusSpec(sys.argv[1], "parquet"), Path(sys.argv[2]), workers=2)
-    peak = lambda who: resource.getrusage(who).ru_maxrss * 1024
-    print(json.dumps({"self": peak(resource.RUSAGE_SELF), "child": peak(resource.RUSAGE_CHILDREN),
+    # this process's own high-water mark: ru_maxrss of RUSAGE_SELF would also count the pytest
+    # process this one was forked from (Linux keeps the pre-exec mm's peak)
+    hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    print(json.dumps({"self": hwm, "child": child,
                       "tokens": int(__import__("numpy").load(out.train, mmap_mode="r").size)}))
 """
 
