@@ -1,25 +1,9 @@
 """prime-comm alone: importing it pulls in no other Prime package."""
 
-import subprocess
-import sys
-
-SIBLINGS = ("prime_mesh", "prime_ckpt", "prime_comm", "prime_train")
+from prime_testkit.imports import sibling_imports
 
 
 def test_imports_alone():
-    """In a fresh interpreter (this test process has every package loaded), importing
-    prime_comm and its submodules imports none of its sibling packages."""
-    code = (
-        "import importlib, pkgutil, sys\n"
-        "import prime_comm\n"
-        "for m in pkgutil.walk_packages(prime_comm.__path__, 'prime_comm.'):\n"
-        "    if not m.name.endswith('__main__'):\n"
-        "        importlib.import_module(m.name)\n"
-        "print(' '.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    ).stdout.split()
-    assert "prime_comm" in out
-    siblings = sorted(set(out) & set(SIBLINGS) - {"prime_comm"})
+    """Importing prime_comm and its submodules imports none of its sibling packages."""
+    siblings = sibling_imports("prime_comm")
     assert not siblings, f"importing prime_comm imported {siblings}"
