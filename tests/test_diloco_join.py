@@ -4,7 +4,6 @@ Each node is its own process with its own working folder (runs_dir and checkpoin
 its own machine, started with the same command; a coordinator runs in the test process.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
+from prime_train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "diloco-join-test-token"
@@ -55,16 +55,7 @@ def start(children, folder: Path, name: str, address: str, cache: Path, log: Pat
 
 
 def rows(folder: Path) -> list[dict]:
-    path = folder / "runs" / "debug" / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
-    return out
+    return read_metrics(folder / "runs" / "debug" / "metrics.jsonl")
 
 
 def outer(folder: Path) -> dict[int, dict]:

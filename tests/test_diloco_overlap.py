@@ -17,6 +17,7 @@ import pytest
 
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
+from prime_train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "diloco-overlap-test-token"
@@ -45,14 +46,8 @@ def cli_args(runs: Path, cache: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def metrics(run_dir: Path, node: int) -> list[dict]:
-    return records(run_dir / ("metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"))
+    return read_metrics(run_dir / ("metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"))
 
 
 def outer_rows(run_dir: Path, node: int) -> list[dict]:

@@ -19,6 +19,7 @@ from prime_ckpt import fetch_from_peer
 from prime_comm import ring_bytes
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
+from prime_train.metrics import read_metrics
 from prime_train.model import Transformer, model_args, num_params
 from prime_train.plot import membership_changes
 
@@ -47,12 +48,6 @@ def cli_args(runs: Path, cache: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def start_node(children, k, address, args, log_path):
     env = dict(os.environ, PRIME_TOKEN=TOKEN, PRIME_LOCAL_NODE=str(k),
                PRIME_MESH__COORDINATOR=address, PRIME_MESH__HOST="127.0.0.1",
@@ -72,7 +67,9 @@ def node0_url(coord) -> str:
 def outer_hashes(run_dir: Path, node: int) -> dict[int, str]:
     name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
     return {
-        r["outer_step"]: r["outer_sha256"] for r in records(run_dir / name) if "outer_step" in r
+        r["outer_step"]: r["outer_sha256"]
+        for r in read_metrics(run_dir / name)
+        if "outer_step" in r
     }
 
 
@@ -101,7 +98,7 @@ def test_two_nodes_through_the_cli_learn_with_identical_weights(tmp_path, token_
         numel = num_params(Transformer(model_args("debug")))
     assert numel >= 64 * 1024
     fp32_ring_bytes = ring_bytes(numel, world=2)
-    sent = [r["bytes_sent"] for r in records(run_dir / "metrics.jsonl") if "bytes_sent" in r]
+    sent = [r["bytes_sent"] for r in read_metrics(run_dir / "metrics.jsonl") if "bytes_sent" in r]
     assert len(sent) == 3 and sum(sent) == d["comm_bytes"]
     for b in sent:
         assert 0.2 * fp32_ring_bytes < b <= 0.26 * fp32_ring_bytes, (b, fp32_ring_bytes)
@@ -147,7 +144,7 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
     r = subprocess.run([sys.executable, "-m", "prime_train.cli", "plot", str(runs / "debug")],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0 and (runs / "debug" / "loss.png").stat().st_size > 10_000, r.stderr
-    outer = [r for r in records(run_dir / "metrics.jsonl") if "outer_step" in r]
+    outer = [r for r in read_metrics(run_dir / "metrics.jsonl") if "outer_step" in r]
     assert [r["outer_step"] for r in outer] == [1, 2, 3]
     assert outer[0]["nodes"] == 2
     assert outer[-1]["nodes"] == 1, "the survivor still averaged with the dead node"
@@ -187,7 +184,7 @@ def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children):
     full, split = tmp_path / "full", tmp_path / "split"
     assert run_nodes(full) == [0, 0]
     assert run_nodes(split, stop_after_outer=1) == [0, 0]
-    stopped_at = max(r["step"] for r in records(split / "debug" / "metrics.jsonl"))
+    stopped_at = max(r["step"] for r in read_metrics(split / "debug" / "metrics.jsonl"))
     assert stopped_at < 60, "the run was not stopped early"
     assert run_nodes(split) == [0, 0]
 
@@ -195,7 +192,10 @@ def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children):
         name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
         keep = ("loss", "eval_loss", "outer_sha256")
         return {
-            (r["step"], k): r[k] for r in records(runs / "debug" / name) for k in keep if k in r
+            (r["step"], k): r[k]
+            for r in read_metrics(runs / "debug" / name)
+            for k in keep
+            if k in r
         }
 
     for node in range(2):

@@ -16,6 +16,7 @@ import pytest
 
 from prime_testkit import wait_until
 from prime_train.data import ShardedLoader, data_part
+from prime_train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "multirank-test-token"
@@ -45,15 +46,9 @@ def env() -> dict[str, str]:
     return {**e, "PRIME_TOKEN": TOKEN}
 
 
-def rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def outer_rows(run_dir: Path, node: int) -> dict[int, dict]:
     name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
-    return {r["outer_step"]: r for r in rows(run_dir / name) if "outer_step" in r}
+    return {r["outer_step"]: r for r in read_metrics(run_dir / name) if "outer_step" in r}
 
 
 def launch(children, runs: Path, cache: Path, log: Path):
@@ -157,7 +152,12 @@ def test_two_nodes_of_two_ranks_learn_match_and_resume_exactly(tmp_path, childre
     def trace(runs: Path, node: int) -> dict:
         name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
         keep = ("loss", "eval_loss", "outer_sha256", "shard_sha256")
-        return {(x["step"], k): x[k] for x in rows(runs / "debug" / name) for k in keep if k in x}
+        return {
+            (x["step"], k): x[k]
+            for x in read_metrics(runs / "debug" / name)
+            for k in keep
+            if k in x
+        }
 
     for node in range(2):
         assert trace(full, node) == trace(split, node), f"node {node}: the resumed run differs"

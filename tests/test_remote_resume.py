@@ -19,6 +19,7 @@ import pytest
 
 from prime_mesh import Coordinator
 from prime_testkit import CREDENTIALS, MotoS3, wait_until
+from prime_train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "remote-resume-test-token"
@@ -35,18 +36,12 @@ ARGS = [
 ]  # fmt: skip
 
 
-def rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def node_folder(phase: Path, k: int) -> Path:
     return phase / f"machine{k}"
 
 
 def metrics(phase: Path, k: int) -> list[dict]:
-    return rows(node_folder(phase, k) / "runs" / "debug" / "metrics.jsonl")
+    return read_metrics(node_folder(phase, k) / "runs" / "debug" / "metrics.jsonl")
 
 
 def run_two_nodes(children, phase: Path, cache: Path, extra: list[str], stop_after_outer=None):
