@@ -126,6 +126,23 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
         node1_url = next(u for u in urls if u != node0_url(coord))
         fetched = fetch_from_peer([node1_url], tmp_path / "joiner", token=TOKEN)
         assert fetched >= 20
+
+        def node1_progress() -> dict:
+            page_status = json.loads(
+                urllib.request.urlopen(page.url + "api/status", timeout=10).read()
+            )
+            ids = {
+                n["node_id"]
+                for n in coord.status()["nodes"]
+                if n["metadata"]["serve_url"] == node1_url
+            }
+            return next(
+                (n.get("progress", {}) for n in page_status["nodes"] if n["node_id"] in ids), {}
+            )
+
+        # progress rides on the next heartbeat: let node 1's outer step reach the coordinator
+        wait_until(lambda: node1_progress().get("outer_step", 0) >= 1, 30,
+                   what="node 1's outer step on the status page")  # fmt: skip
         n1.send_signal(signal.SIGKILL)
         assert n0.wait(timeout=200) == 0, (tmp_path / "node0.log").read_text()[-3000:]
         # the status page: the trainer's numbers, and the killed node evicted, with why
