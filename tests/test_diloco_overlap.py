@@ -78,6 +78,7 @@ def holding(log: Path, step: int) -> bool:
     return log.is_file() and f"holding the outer round of step {step}" in log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_delayed_two_nodes_learn_with_identical_outer_weights(tmp_path, token_cache):
     runs = tmp_path / "runs"
@@ -110,6 +111,7 @@ def test_delayed_two_nodes_learn_with_identical_outer_weights(tmp_path, token_ca
     assert "compute utilisation" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_node_killed_during_a_background_round_is_dropped(tmp_path, token_cache, children):
     runs = tmp_path / "runs"

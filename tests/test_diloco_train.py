@@ -104,6 +104,7 @@ def test_two_nodes_through_the_cli_learn_with_identical_weights(tmp_path, token_
         assert 0.2 * fp32_ring_bytes < b <= 0.26 * fp32_ring_bytes, (b, fp32_ring_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cache, children):
     runs = tmp_path / "runs"

@@ -4,6 +4,8 @@ disk and remote tiers."""
 
 from pathlib import Path
 
+import pytest
+
 from prime_ckpt import committed_steps
 
 
@@ -14,6 +16,7 @@ def short(tiny_cli_args, runs: Path, *extra: str) -> list[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_checkpoint_folder_of_another_run_is_refused(tmp_path, run_cli, tiny_cli_args):
     shared = tmp_path / "shared-ckpt"
     a = run_cli(*short(tiny_cli_args, tmp_path / "a", "--run.name", "a", "--ckpt.dir", shared))
@@ -41,6 +44,7 @@ def test_a_checkpoint_folder_of_another_run_is_refused(tmp_path, run_cli, tiny_c
     assert "resumed from the step-10 checkpoint" in d.stdout
 
 
+@pytest.mark.slow
 def test_remote_prefix_keeps_ckpt_keep_and_refuses_another_run(tmp_path, run_cli, tiny_cli_args):
     remote = f"file://{tmp_path / 'bucket'}"
     prefix = tmp_path / "bucket" / "n1"  # ckpt.remote + '/' + node name

@@ -119,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     if several and not launched and not cfg.mesh.coordinator:
         from prime_mesh import MeshError
         from prime_train.launch import launch_local_nodes, local_coordinator
+        from prime_train.preflight import check_settings
+        from prime_train.tokens import DataError
+
+        try:
+            check_settings(cfg)
+        except ConfigError as e:
+            return _fail(f"config error: {e}")
+        except DataError as e:
+            return _fail(str(e))
 
         coordinator = partial(local_coordinator, status_port=cfg.launch.status_port)
         try:
