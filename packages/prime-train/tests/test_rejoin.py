@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prime_mesh import CoordinatorLost, MeshEvicted
+from prime_mesh import CoordinatorLost, MeshError, MeshEvicted
 from prime_train.config import Config
 from prime_train.config_load import load_config
 from prime_train.diloco.rejoin import (
@@ -14,7 +14,6 @@ from prime_train.diloco.rejoin import (
     membership_lost,
     rejoin_running_job,
 )
-from prime_train.rundir import RunDirError
 
 
 class Recorder:
@@ -55,7 +54,7 @@ def test_one_loss_past_the_bound_stops_with_a_clear_line_and_touches_nothing(all
     assert f"lost its mesh membership {allowed + 1} times" in msg
     assert f"diloco.max_rejoins = {allowed}" in msg and "MeshEvicted: evicted: cut off" in msg
     assert "rerun the same command" in msg
-    assert isinstance(e.value, RunDirError)  # the CLI prints it as one line and exits 1
+    assert isinstance(e.value, MeshError)  # the CLI prints it as one line and exits 1
     assert run.placement.membership.used == [] and run.log.used == []
 
 

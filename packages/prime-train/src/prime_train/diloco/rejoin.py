@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from prime_mesh import MeshError
 from prime_train.diloco.membership import Membership, count_live_members
-from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_train.run import Run
@@ -33,11 +33,12 @@ if TYPE_CHECKING:
 POLL_S = 1.0
 
 
-class RejoinsExhausted(RunDirError):
-    """The node lost its membership more often than `diloco.max_rejoins` allows."""
+class RejoinsExhausted(MeshError):
+    """The node lost its membership more often than `diloco.max_rejoins` allows (a mesh
+    error: the command line prints it as one line and exits 1)."""
 
 
-class RejoinFailed(RunDirError):
+class RejoinFailed(MeshError):
     """No coordinator with live members answered within `diloco.rejoin_wait_s`."""
 
 
@@ -81,8 +82,6 @@ def _live_members(run: Run, token: str | None) -> int:
 
 def _register_again(run: Run, error: BaseException) -> Membership:
     """Wait (bounded) for a coordinator with live members, then register as a joiner."""
-    from prime_mesh import MeshError
-
     cfg = run.cfg
     token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
     deadline = time.monotonic() + cfg.diloco.rejoin_wait_s
