@@ -1,12 +1,14 @@
 """A node whose link is cut is evicted, and rejoins by itself when the link comes back.
 
 Three prime-train nodes and the coordinator, each in its own network namespace of the WAN bed
-(root only), started through the CLI with their own working folders. Node 2's link goes down
-(`ip link set eth0 down` in its namespace) for longer than the heartbeat timeout while the
-run goes on; it is restored, and the same node process rejoins through live recovery.
+(root only), started through the CLI (`prime-train`, `prime-mesh coordinator`) with their own
+working folders. Node 2's link goes down (`ip link set eth0 down` in its namespace) for longer
+than the heartbeat timeout while the run goes on; it is restored, and the same node process
+rejoins through live recovery.
 """
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,12 +101,14 @@ def test_a_cut_link_evicts_the_node_and_it_rejoins_by_itself(tmp_path, children)
                 bed.link_up(2)
             alone = [k for k, r in outer(n[0]).items() if k > cut_at and r["nodes"] == NODES - 1]
             codes = [p.wait(timeout=400) for p in procs]
+            coord.send_signal(signal.SIGTERM)  # the coordinator stops cleanly too
+            codes.append(coord.wait(timeout=30))
         finally:
             for p in [*procs, *([coord] if "coord" in locals() else [])]:
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=30)  # every process ends before its namespace is deleted
-    assert codes == [0] * NODES, logs(tmp_path)
+    assert codes == [0] * (NODES + 1), logs(tmp_path)
     assert len(alone) >= 2, logs(tmp_path)
     rejoined = [r for r in rows(n[2]) if r.get("rejoined")]
     assert [r["rejoined"] for r in rejoined] == [1], logs(tmp_path)
