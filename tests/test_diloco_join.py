@@ -40,7 +40,7 @@ def node_args(folder: Path, cache: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def start(children, folder: Path, name: str, address: str, cache: Path, log: Path):
+def start(children, folder: Path, name: str, address: str, cache: Path, log: Path, extra=()):
     folder.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PRIME_TOKEN=TOKEN, PRIME_MESH__COORDINATOR=address,
                PRIME_MESH__HOST="127.0.0.1", PRIME_MESH__NODE_NAME=name,
@@ -49,7 +49,7 @@ def start(children, folder: Path, name: str, address: str, cache: Path, log: Pat
     env.pop("PRIME_LOCAL_NODE", None)
     with open(log, "a") as out:
         return children.popen(
-            [sys.executable, "-m", "prime_train.cli", *node_args(folder, cache)],
+            [sys.executable, "-m", "prime_train.cli", *node_args(folder, cache), *extra],
             env=env, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
         )  # fmt: skip
 
@@ -147,3 +147,92 @@ def test_a_killed_node_run_again_rejoins(tmp_path, token_cache, children):
     check_entry(tmp_path, n1, [n0])
     assert outer(n0)[first_after]["nodes"] == 2 and outer(n0)[first_after]["contributors"] == 1
     assert outer(n1)[max(outer(n1))]["outer_sha256"] == outer(n0)[max(outer(n0))]["outer_sha256"]
+
+
+def check_rejoined(tmp_path, node: Path, members: list[Path], times: int = 1) -> int:
+    """The node's rows say it rejoined `times` times by itself, the last entry fetched a
+    member's state, and from that entry on every outer step has the members' hash. Returns
+    the inner step it re-entered at."""
+    rejoined = [r for r in rows(node) if r.get("rejoined")]
+    assert [r["rejoined"] for r in rejoined] == list(range(1, times + 1)), logs(tmp_path)
+    last = rejoined[-1]
+    assert last["joined"] and last["fetch_bytes"] > 0 and last["donor"], last
+    after = [r for r in rows(node) if "outer_sha256" in r and r["step"] >= last["step"]]
+    assert after, logs(tmp_path)
+    for m in members:
+        theirs = outer(m)
+        for r in after:
+            assert r["outer_sha256"] == theirs[r["outer_step"]]["outer_sha256"], (
+                r["outer_step"],
+                logs(tmp_path),
+            )
+    return int(last["step"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_stalled_node_is_evicted_and_rejoins_by_itself(tmp_path, token_cache, children):
+    """SIGSTOP a node past the heartbeat timeout, SIGCONT it: evicted, it rejoins through live
+    recovery without being restarted (the same process), and ends with the member's weights."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    try:
+        nodes = start_pair(children, tmp_path, coord, token_cache)
+        n0, n1 = tmp_path / "node0", tmp_path / "node1"
+        wait_until(lambda: 2 in outer(n1) or nodes[1].poll() is not None, 240,
+                   what="node 1's second outer step")  # fmt: skip
+        nodes[1].send_signal(signal.SIGSTOP)
+        try:
+            stalled_at = max(outer(n0))
+            wait_until(lambda: any(r["nodes"] == 1 for k, r in outer(n0).items() if k > stalled_at)
+                       or nodes[0].poll() is not None, 120, what="node 0 going on alone")  # fmt: skip
+        finally:
+            nodes[1].send_signal(signal.SIGCONT)
+        alone = [k for k, r in outer(n0).items() if k > stalled_at and r["nodes"] == 1]
+        codes = [p.wait(timeout=300) for p in (nodes[0], nodes[1])]
+    finally:
+        coord.close()
+    assert codes == [0, 0], logs(tmp_path)
+    assert alone, logs(tmp_path)  # the member committed while the straggler was out
+    entry = check_rejoined(tmp_path, n1, [n0])
+    back = min(r["outer_step"] for r in rows(n1) if "outer_sha256" in r and r["step"] >= entry)
+    assert back > max(alone)  # it re-entered after the rounds it missed, not in their place
+    assert outer(n0)[back]["nodes"] == 2 and outer(n0)[back]["contributors"] == 1
+    log = (tmp_path / "node1.log").read_text()
+    assert "lost the mesh membership" in log and "reentered the running job" in log, log[-3000:]
+    assert outer(n1)[max(outer(n1))]["outer_sha256"] == outer(n0)[max(outer(n0))]["outer_sha256"]
+    assert outer(n0)[max(outer(n0))]["nodes"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_node_past_its_rejoin_bound_exits_1_with_a_clear_line(tmp_path, token_cache, children):
+    """With diloco.max_rejoins = 0 the woken straggler does not rejoin: it says why and exits
+    1, and the member finishes alone."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    try:
+        n0, n1 = tmp_path / "node0", tmp_path / "node1"
+        nodes = {
+            0: start(children, n0, "node0", coord.address, token_cache, tmp_path / "node0.log")
+        }
+        wait_until(lambda: len(coord.status()["nodes"]) > 0, 120, what="node 0 registers")
+        nodes[1] = start(children, n1, "node1", coord.address, token_cache,
+                         tmp_path / "node1.log", extra=["--diloco.max_rejoins", "0"])  # fmt: skip
+        wait_until(lambda: 2 in outer(n1) or nodes[1].poll() is not None, 240,
+                   what="node 1's second outer step")  # fmt: skip
+        nodes[1].send_signal(signal.SIGSTOP)
+        try:
+            stalled_at = max(outer(n0))
+            wait_until(lambda: any(r["nodes"] == 1 for k, r in outer(n0).items() if k > stalled_at)
+                       or nodes[0].poll() is not None, 120, what="node 0 going on alone")  # fmt: skip
+        finally:
+            nodes[1].send_signal(signal.SIGCONT)
+        codes = [p.wait(timeout=300) for p in (nodes[0], nodes[1])]
+    finally:
+        coord.close()
+    assert codes == [0, 1], logs(tmp_path)
+    log = (tmp_path / "node1.log").read_text()
+    assert "lost its mesh membership 1 times" in log and "diloco.max_rejoins = 0" in log, log[
+        -3000:
+    ]
+    assert not [r for r in rows(n1) if r.get("rejoined")]
+    assert outer(n0)[max(outer(n0))]["nodes"] == 1

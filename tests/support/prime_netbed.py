@@ -54,6 +54,15 @@ class WanBed:
         """Prefix a command with this to run it inside node k's namespace."""
         return ["ip", "netns", "exec", self.node_ns[k]]
 
+    def link_down(self, k: int) -> None:
+        """Cut node k's link (`ip link set eth0 down` in its namespace): its packets go nowhere
+        and nobody's reach it, as when a machine's uplink fails; its processes keep running."""
+        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "down")
+
+    def link_up(self, k: int) -> None:
+        """Restore node k's link (its address, route and rate limit come back with it)."""
+        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "up")
+
     def __enter__(self) -> WanBed:
         reason = bed_unavailable_reason()
         if reason:

@@ -76,6 +76,7 @@ def test_shipped_configs_parse():
         ("", ["--mesh.coordinator", "nohost"], {}, ["mesh.coordinator", "HOST:PORT"]),
         ("", ["--diloco.compression", "fp8"], {}, ["diloco.compression", "'uint8'", "'none'"]),
         ("", ["--run.name", "a/b"], {}, ["run.name", "names a folder"]),
+        ("", ["--diloco.max_rejoins", "-1"], {}, ["diloco.max_rejoins", "greater than"]),
         ("", ["--mesh.heartbeat_timeout_s", "0.5"], {}, ["heartbeat_timeout_s must exceed"]),
         ("train = 3\n", [], {}, ["`train` must be a table"]),
         ("[train\n", [], {}, ["not valid TOML"]),

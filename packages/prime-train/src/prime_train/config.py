@@ -203,6 +203,15 @@ class DilocoConfig(Section):
         "round k runs in the background during round k+1 and its update is applied at the end "
         "of round k+1",
     )
+    max_rejoins: int = Field(
+        3,
+        ge=0,
+        description="times a node that lost its membership (evicted: a cut link, a stall past "
+        "the heartbeat timeout) rejoins the running job by itself before it exits 1",
+    )
+    rejoin_wait_s: float = Field(
+        300.0, gt=0.0, description="how long such a node waits for the coordinator and members"
+    )
 
 
 class Config(Section):
@@ -255,6 +264,7 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "launch": ("status_port",),
     "train": ("threads", "device"),
     "ckpt": ("dir", "shm_dir", "remote", "keep"),
+    "diloco": ("max_rejoins", "rejoin_wait_s"),  # a node's own patience, not the math
 }
 
 SECTIONS: dict[str, type[Section]] = {

@@ -15,6 +15,7 @@ import torch
 
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
+from prime_train.diloco.rejoin import can_rejoin, membership_lost, rejoin_running_job
 from prime_train.metrics import Log
 from prime_train.optim import lr_at
 from prime_train.placement import Placement, init_placement
@@ -138,7 +139,8 @@ def enter_running_job(run: Run, outer: OuterStep, loaded: int) -> int:
         outer.contributing = True  # type: ignore[attr-defined]
     info = run.joined or {}
     run.log.info(
-        f"entered the running job at outer step {getattr(report, 'outer_step', '?')} "
+        ("re" if "rejoined" in info else "")
+        + f"entered the running job at outer step {getattr(report, 'outer_step', '?')} "
         f"(step {step}), donor {info.get('donor')}: {info.get('bytes', 0) / 1e6:.2f} MB "
         f"fetched in {info.get('seconds', 0.0):.2f} s"
     )
@@ -151,6 +153,7 @@ def enter_running_job(run: Run, outer: OuterStep, loaded: int) -> int:
             "fetch_bytes": info.get("bytes"),
             "fetch_seconds": info.get("seconds"),
             "load_seconds": info.get("load_seconds"),
+            **({"rejoined": info["rejoined"]} if "rejoined" in info else {}),
         }
     )
     run.progress["step"] = step
@@ -179,9 +182,12 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
     # an overlapped outer step returns from start() with its all-reduce in flight
     overlapped = bool(getattr(outer, "overlapped", False))
-    step = start
+    step, rejoins = start, 0
+    rejoinable = can_rejoin(run, outer)
+    lost = membership_lost()
     with StopSignal() as stop:
-        for step in range(start + 1, total + 1):
+        while step < total:
+            step += 1
             t = time.perf_counter()
             meter.add(run.inner_step(step))
             if outer is not None:
@@ -190,9 +196,15 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
             # DiLoCo: every H inner steps, one outer step syncs the node replicas
             at_outer_boundary = step % cfg.diloco.inner_steps == 0 or step == total
             if outer is not None and at_outer_boundary:
-                outer.start(step)
-                if not overlapped or step == total:  # the final model is the outer weights
-                    outer.finish()
+                try:
+                    outer.start(step)
+                    if not overlapped or step == total:  # the final model is the outer weights
+                        outer.finish()
+                except lost as e:  # evicted (cut link, stall): rejoin the others by itself
+                    if not rejoinable:
+                        raise
+                    rejoins += 1
+                    step = rejoin_running_job(run, outer, e, rejoins)  # type: ignore[arg-type]
 
             if step % cfg.run.log_every == 0 or step == total:
                 meter.report(step)

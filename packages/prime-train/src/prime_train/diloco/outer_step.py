@@ -366,6 +366,13 @@ class Diloco:
             dist.broadcast_object_list(mine, group_src=0, group=self.node_group)
         return bool(mine[0])
 
+    def reattach(self, mesh: ElasticDeviceMesh) -> None:
+        """Use `mesh`, a new registration of this node after it lost its membership (see
+        `diloco/rejoin.py`): forget the old one's view; the state comes with the next load."""
+        self.mesh, self._last_epoch, self._nodes_now = mesh, None, 0
+        self._late, self._started, self._boundary, self._compute = None, None, None, 0.0
+        self.contributing = True
+
     def summary(self) -> dict[str, Any]:
         """Totals and settings for the run's summary."""
         d = self.cfg

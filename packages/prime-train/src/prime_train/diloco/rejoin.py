@@ -1,0 +1,141 @@
+"""Rejoining the running job by itself, after this node lost its membership, without a restart.
+
+A node whose link went down, or that stalled (SIGSTOP, swapping) for longer than the heartbeat
+timeout, is evicted: the others go on committing without it. When it comes back, its next mesh
+call at an outer boundary raises `MeshEvicted` (the coordinator told it) or `CoordinatorLost`
+(its own heartbeats found the coordinator silent while the link was down). Instead of exiting,
+the trainer then takes the path a restarted node takes (`prime_train.diloco.join`):
+
+1. It closes its old membership (mesh and checkpoint server) and waits, up to
+   `diloco.rejoin_wait_s`, until the coordinator answers and the run has live members.
+2. It registers again as a joiner (waiting), fetches a member's fresh boundary checkpoint,
+   loads it (outer weights, momentum, data position), and takes the zero-contribution entry
+   step: from then on its weights are the members', bit for bit.
+
+It does so at most `diloco.max_rejoins` times in one run; one more loss exits 1 with a line
+that says so (`RejoinsExhausted`). The rows it writes carry `rejoined` (the count).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from prime_mesh import MeshError
+from prime_train.diloco.membership import Membership, count_live_members
+
+if TYPE_CHECKING:
+    from prime_train.run import Run
+    from prime_train.seam import OuterStep
+
+POLL_S = 1.0
+
+
+class RejoinsExhausted(MeshError):
+    """The node lost its membership more often than `diloco.max_rejoins` allows (a mesh
+    error: the command line prints it as one line and exits 1)."""
+
+
+class RejoinFailed(MeshError):
+    """No coordinator with live members answered within `diloco.rejoin_wait_s`."""
+
+
+def membership_lost() -> tuple[type[BaseException], ...]:
+    """The mesh errors that mean this node is no longer a member (and may rejoin)."""
+    from prime_mesh import CoordinatorLost, MeshEvicted
+
+    return (MeshEvicted, CoordinatorLost)
+
+
+def can_rejoin(run: Run, outer: OuterStep | None) -> bool:
+    """Whether this node can rejoin by itself: a DiLoCo node of a multi-node run whose outer
+    step has no round in flight across the loss (`overlap = "none"`)."""
+    return (
+        run.placement.membership is not None
+        and hasattr(outer, "reattach")
+        and not getattr(outer, "overlapped", False)
+    )
+
+
+def check_rejoin_allowed(run: Run, error: BaseException, rejoins: int) -> None:
+    """RejoinsExhausted when `rejoins` (this one included) exceeds `diloco.max_rejoins`."""
+    allowed = run.cfg.diloco.max_rejoins
+    if rejoins > allowed:
+        raise RejoinsExhausted(
+            f"this node lost its mesh membership {rejoins} times ({type(error).__name__}: "
+            f"{error}); diloco.max_rejoins = {allowed} rejoins are allowed in one run, so it "
+            "stops here. Check its link to the others, then rerun the same command to join "
+            "again (or raise diloco.max_rejoins)"
+        )
+
+
+def _live_members(run: Run, token: str | None) -> int:
+    """The run's live members as the node's local rank 0 sees them (its ranks agree)."""
+    placement = run.placement
+    live = [count_live_members(run.cfg.mesh.coordinator, token) if run.primary else 0]
+    if placement.world_size > 1:
+        dist.broadcast_object_list(live, src=0, group=placement.group)
+    return int(live[0])
+
+
+def _register_again(run: Run, error: BaseException) -> Membership:
+    """Wait (bounded) for a coordinator with live members, then register as a joiner."""
+    cfg = run.cfg
+    token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
+    deadline = time.monotonic() + cfg.diloco.rejoin_wait_s
+    last = "no answer yet"
+    while True:
+        live = _live_members(run, token)
+        if live > 0:
+            try:
+                return Membership.join(
+                    cfg, run.ckpt_dir, serve=run.primary, warn=run.log.warn, live_members=live
+                )
+            except (MeshError, OSError) as e:  # the link flapped again: keep trying
+                last = f"{type(e).__name__}: {e}"
+        else:
+            last = "the coordinator did not answer or the run has no live member"
+        if time.monotonic() > deadline:
+            raise RejoinFailed(
+                f"this node lost its mesh membership ({type(error).__name__}: {error}) and "
+                f"could not rejoin within diloco.rejoin_wait_s = {cfg.diloco.rejoin_wait_s:g} s "
+                f"({last}); check its link to the coordinator at {cfg.mesh.coordinator}, then "
+                "rerun the same command to join again"
+            )
+        time.sleep(POLL_S)
+
+
+def rejoin_running_job(run: Run, outer: OuterStep, error: BaseException, rejoins: int) -> int:
+    """Steps 1 and 2 of the module doc after `error` ended this node's membership; `rejoins`
+    counts this one. Returns the step the node continues from (its entry outer step's)."""
+    from prime_train.trainer import enter_running_job
+
+    check_rejoin_allowed(run, error, rejoins)
+    placement = run.placement
+    run.log.warn(
+        f"lost the mesh membership ({type(error).__name__}: {error}); rejoining the running "
+        f"job through live recovery (rejoin {rejoins} of at most {run.cfg.diloco.max_rejoins})"
+    )
+    assert placement.membership is not None
+    try:
+        placement.membership.close()
+    except Exception as e:  # an evicted node's connection is already gone: nothing to leave
+        run.log.info(f"closing the old membership: {type(e).__name__}: {e}")
+    t0 = time.monotonic()
+    membership = _register_again(run, error)
+    placement.membership = membership
+    outer.reattach(membership.mesh)  # type: ignore[attr-defined]
+    for sink in run.metrics.sinks:  # the status page hears from the new registration
+        if hasattr(sink, "mesh"):
+            sink.mesh = membership.mesh
+    run.log.info(
+        f"registered again as {membership.mesh.node_id} after "
+        f"{time.monotonic() - t0:.1f} s ({membership.members_seen} member(s)): fetching their state"
+    )
+    loaded = run.resume(outer)
+    info: dict[str, Any] = run.joined or {}
+    info["rejoined"] = rejoins
+    run.joined = info
+    return enter_running_job(run, outer, loaded)

@@ -1,0 +1,127 @@
+"""A node whose link is cut is evicted, and rejoins by itself when the link comes back.
+
+Three prime-train nodes and the coordinator, each in its own network namespace of the WAN bed
+(root only), started through the CLI (`prime-train`, `prime-mesh coordinator`) with their own
+working folders. Node 2's link goes down (`ip link set eth0 down` in its namespace) for longer
+than the heartbeat timeout while the run goes on; it is restored, and the same node process
+rejoins through live recovery.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prime_netbed import WanBed, bed_unavailable_reason
+
+from prime_testkit import wait_until
+from prime_train.metrics import read_metrics
+
+pytestmark = [
+    pytest.mark.wan,
+    pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason())),
+]
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "cut-link-test-token"
+H = 10
+STEPS = 200
+NODES = 3
+COORD = NODES  # the bed's last namespace holds the coordinator
+PORT = 29500
+
+
+def rows(folder: Path) -> list[dict]:
+    return read_metrics(folder / "runs" / "debug" / "metrics.jsonl")
+
+
+def outer(folder: Path) -> dict[int, dict]:
+    return {r["outer_step"]: r for r in rows(folder) if "outer_step" in r}
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(tmp_path.glob("*.log"))
+    )
+
+
+def start_node(children, bed: WanBed, k: int, tmp_path: Path, cache: Path):
+    folder = tmp_path / f"node{k}"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PRIME_TOKEN=TOKEN, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+               PRIME_MESH__COORDINATOR=f"{bed.ip(COORD)}:{PORT}", PRIME_MESH__HOST=bed.ip(k),
+               PRIME_MESH__NODE_NAME=f"node{k}", PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5",
+               PRIME_MESH__HEARTBEAT_TIMEOUT_S="3")  # fmt: skip
+    env.pop("PRIME_LOCAL_NODE", None)
+    args = [
+        "--config", str(ROOT / "configs" / "debug.toml"),
+        "--run.runs_dir", str(folder / "runs"),
+        "--data.cache_dir", str(cache),
+        "--train.steps", str(STEPS),
+        "--diloco.inner_steps", str(H),
+        "--ckpt.every", "40",
+        "--eval.every", "0",
+        "--run.log_every", "10",
+    ]  # fmt: skip
+    with open(tmp_path / f"node{k}.log", "a") as out:
+        return children.popen(
+            bed.exec_prefix(k) + [sys.executable, "-m", "prime_train.cli", *args],
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
+        )  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_a_cut_link_evicts_the_node_and_it_rejoins_by_itself(tmp_path, children):
+    cache = tmp_path / "token-cache"
+    n = [tmp_path / f"node{k}" for k in range(NODES)]
+    with WanBed(NODES + 1, rate_mbit=100) as bed:
+        procs = []
+        try:
+            with open(tmp_path / "coordinator.log", "w") as out:
+                coord = children.popen(
+                    bed.exec_prefix(COORD)
+                    + [sys.executable, "-m", "prime_mesh.cli", "coordinator",
+                       "--host", bed.ip(COORD), "--port", str(PORT), "--min-nodes", str(NODES)],
+                    env=dict(os.environ, PRIME_TOKEN=TOKEN), stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            procs = [start_node(children, bed, k, tmp_path, cache) for k in range(NODES)]
+            running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
+            wait_until(lambda: 2 in outer(n[2]) or not running(), 300,
+                       what="node 2's second outer step")  # fmt: skip
+            assert running(), logs(tmp_path)
+            bed.link_down(2)
+            try:
+                cut_at = max(outer(n[0]))
+                # the others commit without node 2, twice, while its link is still down
+                wait_until(lambda: sum(r["nodes"] == NODES - 1 for k, r in outer(n[0]).items()
+                                       if k > cut_at) >= 2 or not running(), 180,
+                           what="the others committing without node 2")  # fmt: skip
+            finally:
+                bed.link_up(2)
+            alone = [k for k, r in outer(n[0]).items() if k > cut_at and r["nodes"] == NODES - 1]
+            codes = [p.wait(timeout=400) for p in procs]
+            coord.send_signal(signal.SIGTERM)  # the coordinator stops cleanly too
+            codes.append(coord.wait(timeout=30))
+        finally:
+            for p in [*procs, *([coord] if "coord" in locals() else [])]:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(timeout=30)  # every process ends before its namespace is deleted
+    assert codes == [0] * (NODES + 1), logs(tmp_path)
+    assert len(alone) >= 2, logs(tmp_path)
+    rejoined = [r for r in rows(n[2]) if r.get("rejoined")]
+    assert [r["rejoined"] for r in rejoined] == [1], logs(tmp_path)
+    assert rejoined[0]["fetch_bytes"] > 0 and rejoined[0]["donor"], rejoined
+    entry = rejoined[0]["step"]
+    after = [r for r in rows(n[2]) if "outer_sha256" in r and r["step"] >= entry]
+    assert after and min(r["outer_step"] for r in after) > max(alone), logs(tmp_path)
+    for member in n[:2]:
+        theirs = outer(member)
+        for r in after:
+            assert r["outer_sha256"] == theirs[r["outer_step"]]["outer_sha256"], r["outer_step"]
+    back = outer(n[0])[min(r["outer_step"] for r in after)]
+    assert back["nodes"] == NODES and back["contributors"] == NODES - 1, back
+    assert "stalled or cut off" in (tmp_path / "coordinator.log").read_text()  # evicted
+    log = (tmp_path / "node2.log").read_text()
+    assert "lost the mesh membership" in log and "reentered the running job" in log, log[-3000:]
