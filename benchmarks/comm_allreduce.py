@@ -8,7 +8,9 @@ rank's seconds (median of --repeats), the bytes each rank really wrote to its so
 (/proc/self/io wchar, averaged over ranks), and the relative L2 error of the uint8 result
 against float32 dist.all_reduce. --wan N runs every rank in its own network namespace with
 N Mbit/s links (tests/support/prime_netbed.py); loopback has no bandwidth limit, so there
-the time is mostly compute.
+the time is mostly compute. On the bed it adds the link utilisation of each: the bytes a rank
+wrote over (link rate x seconds), and the ideal fp32 ring time 2(W-1)/W x 4n bytes / rate
+(the README's figure: `--wan 100 --worlds 4 --sizes 25000000`).
 """
 
 from __future__ import annotations
@@ -182,6 +184,26 @@ def main() -> None:
                 f"{r['uint8_s'] / r['fp32_s']:.2f} | {r['fp32_bytes']:,.0f} | "
                 f"{r['uint8_bytes']:,.0f} | {r['uint8_bytes'] / r['fp32_bytes']:.3f} | "
                 f"{r['err']:.3%} |"
+            )
+    if args.wan:
+        print_utilisation(results, args.wan)
+
+
+def print_utilisation(results: list[tuple[int, list[dict]]], mbit: float) -> None:
+    """Link utilisation: bytes each rank wrote / (rate x seconds), and the ideal ring time."""
+    rate = mbit * 1e6 / 8  # bytes per second, each direction
+    print(f"\nlink utilisation at {mbit:g} Mbit/s (ideal fp32 ring: 2(W-1)/W x 4n bytes / rate)")
+    print("| W | elements | ideal fp32 s | fp32 s | fp32 of ideal | fp32 link use | "
+          "uint8 s | uint8 link use | uint8 vs ideal fp32 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for world, rows in results:
+        for r in rows:
+            ideal = 2 * (world - 1) / world * 4 * r["n"] / rate
+            print(
+                f"| {world} | {r['n']:,} | {ideal:.2f} | {r['fp32_s']:.2f} | "
+                f"{ideal / r['fp32_s']:.2f} | {r['fp32_bytes'] / (rate * r['fp32_s']):.2f} | "
+                f"{r['uint8_s']:.2f} | {r['uint8_bytes'] / (rate * r['uint8_s']):.2f} | "
+                f"{ideal / r['uint8_s']:.2f}x faster |"
             )
 
 

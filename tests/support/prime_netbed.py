@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import time
 import uuid
 
 SUBNET = "10.231.{bed}.{host}"
@@ -124,10 +126,50 @@ class WanBed:
                     "100ms",
                 )
 
+    def cut(self, k: int) -> None:
+        """Take node k's link down (its namespace keeps its processes): a cut cable."""
+        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "down")
+
+    def restore(self, k: int) -> None:
+        """Bring node k's link back up after `cut`."""
+        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "up")
+
+    def pids(self, k: int | None = None) -> list[int]:
+        """Processes living in node k's namespace (every namespace of the bed when None)."""
+        names = self._made if k is None else [self.node_ns[k]]
+        out: list[int] = []
+        for ns in names:
+            r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            out += [int(p) for p in r.stdout.split() if p.isdigit()]
+        return out
+
+    def namespaces_left(self) -> list[str]:
+        """This bed's namespaces that still exist (empty once closed)."""
+        r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+        return [line.split()[0] for line in r.stdout.splitlines() if self.tag in line]
+
+    def kill_all(self, timeout: float = 10.0) -> None:
+        """SIGKILL every process in the bed's namespaces and wait until none is left:
+        deleting a namespace does not end the processes in it."""
+        deadline = time.monotonic() + timeout
+        while pids := self.pids():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)  # a stopped process must run to die
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {pids} outlived SIGKILL in the bed's namespaces")
+            time.sleep(0.1)
+
     def close(self) -> None:
-        for ns in reversed(self._made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-        self._made.clear()
+        try:
+            self.kill_all()
+        finally:
+            for ns in reversed(self._made):
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            self._made.clear()
 
     def __exit__(self, *exc) -> None:
         self.close()
