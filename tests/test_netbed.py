@@ -57,3 +57,38 @@ def test_nodes_talk_over_limited_links_and_bed_is_removed():
         assert "tbf" in qdisc and "50Mbit" in qdisc
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names)
+
+
+def ping(bed: WanBed, src: int, dst: int) -> bool:
+    """One TCP connect attempt from node src to a closed port of node dst: refused means the
+    link carries packets, a timeout means it does not."""
+    code = (
+        "import socket\n"
+        "try:\n"
+        f"    socket.create_connection(('{bed.ip(dst)}', 9), timeout=2)\n"
+        "except ConnectionRefusedError: print('up')\n"
+        "except OSError: print('down')\n"
+    )
+    r = subprocess.run(
+        bed.exec_prefix(src) + [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return r.stdout.strip() == "up"
+
+
+def test_cut_and_restore_a_link_and_close_kills_processes_left_inside():
+    with WanBed(2, rate_mbit=50) as bed:
+        assert ping(bed, 0, 1)
+        bed.cut(1)
+        assert not ping(bed, 0, 1)
+        bed.restore(1)
+        assert ping(bed, 0, 1)
+        # a stopped process left in a namespace (deleting the namespace would not end it)
+        sleeper = subprocess.Popen(bed.exec_prefix(1) + ["sleep", "600"])
+        sleeper.send_signal(19)  # SIGSTOP
+        assert sleeper.pid in bed.pids(1)
+        bed.close()
+        assert sleeper.wait(timeout=30) == -9
+        assert bed.namespaces_left() == []
