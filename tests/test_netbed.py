@@ -1,10 +1,13 @@
 """The WAN bed itself: namespaces reach each other through rate-limited links and vanish after."""
 
+import signal
 import subprocess
 import sys
 
 import pytest
 from prime_netbed import WanBed, bed_unavailable_reason
+
+from prime_testkit import wait_until
 
 pytestmark = [
     pytest.mark.wan,
@@ -87,8 +90,8 @@ def test_cut_and_restore_a_link_and_close_kills_processes_left_inside():
         assert ping(bed, 0, 1)
         # a stopped process left in a namespace (deleting the namespace would not end it)
         sleeper = subprocess.Popen(bed.exec_prefix(1) + ["sleep", "600"])
-        sleeper.send_signal(19)  # SIGSTOP
-        assert sleeper.pid in bed.pids(1)
+        wait_until(lambda: sleeper.pid in bed.pids(1), 30, what="sleep inside namespace 1")
+        sleeper.send_signal(signal.SIGSTOP)
         bed.close()
         assert sleeper.wait(timeout=30) == -9
         assert bed.namespaces_left() == []
