@@ -171,7 +171,9 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     if start >= total:
         log.info(f"the run is already complete ({start}/{total} steps); nothing to do")
     run.metrics.open(start)
-    if run.joined is not None and outer is not None:
+    # (a joiner that fetched the final checkpoint has nothing to enter: the members finished,
+    # and their next sync point, where it would be admitted, never comes)
+    if run.joined is not None and outer is not None and start < total:
         start = enter_running_job(run, outer, start)
     eval_loss: float | None = None
     if start == 0:
