@@ -15,7 +15,9 @@ and wall-clock ratios chaos / undisturbed at the same outer steps, the tokens ea
 per event the seconds until the survivors commit again and until the node contributes
 again, bytes sent per outer step vs the fp32 ring) and the "nothing lost" checks: no committed
 outer step rolled back, one weight hash per outer step across nodes, every node exiting 0,
-every namespace and process gone. Writes wan_chaos.json and wan_chaos.png into --out.
+every namespace and process gone. A node that exits asking to be rerun (a joiner whose fetch
+outlasted a round) is rerun once or twice, as a supervisor would, and that is reported.
+Writes wan_chaos.json and wan_chaos.png into --out.
 Exits 1 when a check fails; without root it says so and exits 0.
 """
 
@@ -95,6 +97,7 @@ def run_job(name: str, events: list[schedule.Event], nodes: int, args, workdir: 
             if pending and due(pending[0], job, last_event):
                 job.apply(pending.pop(0), lambda m: say(job, f"{name}: {m}"))
                 last_event = time.time()
+            job.rerun_if_asked(lambda m: say(job, f"{name}: {m}"))
             if not job.running():
                 if pending:
                     raise RuntimeError(
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=3, help="nodes at the start (default 3)")
     ap.add_argument("--mbit", type=float, default=100.0, help="link rate, Mbit/s (default 100)")
     ap.add_argument("--model", default="debug", help="model preset (default debug)")
-    ap.add_argument("--steps", type=int, default=1200, help="inner steps of the run")
+    ap.add_argument("--steps", type=int, default=800, help="inner steps of the run")
     ap.add_argument("--inner-steps", type=int, default=20, help="H, inner steps per outer step")
     ap.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps")
     ap.add_argument("--schedule", default=None, help="faults (default: every kind, see above)")
@@ -223,6 +226,7 @@ def summarise(args, text, chaos, exits, left, calm, calm_left) -> dict:
         "events": report.event_delays(chaos),
         "bytes": report.bytes_per_step(chaos, n),
         "checks": checks,
+        "reruns": [e for e in chaos.timeline if e["kind"] == "rerun"],
         "undisturbed_left": calm_left,
     }
     result["ok"] = all(checks[k] for k in ("no_rollback", "one_hash_per_outer_step",
@@ -248,6 +252,9 @@ def summarise(args, text, chaos, exits, left, calm, calm_left) -> dict:
           f"{w['ratio']:.3f} |\n"
           f"| bytes sent per outer step per node (chaos) | {b['bytes_per_step']:,.0f} | "
           f"fp32 ring {b['fp32_ring_bytes']:,.0f} | {b['ratio']:.3f} |")  # fmt: skip
+    for e in result["reruns"]:
+        print(f"\nnote: node{e['node']} exited {e['exit']} at {e['t']:.1f} s and was rerun: "
+              f"{e['said']}")  # fmt: skip
     print("\nnothing lost:")
     for key in ("no_rollback", "one_hash_per_outer_step", "all_outer_steps_committed",
                 "nodes_exit_0", "no_namespace_or_process_left"):  # fmt: skip

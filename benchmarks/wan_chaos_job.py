@@ -141,6 +141,26 @@ class Job:
         progress(f"EVENT {entry['event']} at outer step {entry['outer_step']}, "
                  f"{entry['members']} member(s)")  # fmt: skip
 
+    def rerun_if_asked(self, progress) -> None:
+        """A node that exited saying "rerun the same command" (a joiner whose fetch outlasted a
+        round) is rerun, as its operator or a supervisor would, at most twice; the rerun is
+        marked in the timeline and counted in the result."""
+        for k, p in list(self.procs.items()):
+            if p.poll() in (None, 0, -signal.SIGKILL) or not self.running():
+                continue
+            tail = (self.dir / f"node{k}.log").read_text()[-600:]
+            said = next((ln for ln in tail.splitlines() if "erun the same command" in ln), None)
+            reruns = sum(1 for e in self.timeline if e["kind"] == "rerun" and e["node"] == k)
+            if said is None or reruns >= 2 or getattr(p, "_rerun", False):
+                continue
+            p._rerun = True  # type: ignore[attr-defined]
+            self.start_node(k)
+            entry = {"t": time.time() - self.t0, "event": f"rerun node{k}", "kind": "rerun",
+                     "node": k, "outer_step": self.frontier(), "members": self.members(),
+                     "exit": p.returncode, "said": said.strip()}  # fmt: skip
+            self.timeline.append(entry)
+            progress(f"RERUN node{k}: it exited {p.returncode} saying {said.strip()!r}")
+
     def running(self) -> list[int]:
         return [k for k, p in self.procs.items() if p.poll() is None]
 

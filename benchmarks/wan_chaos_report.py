@@ -6,7 +6,14 @@ from pathlib import Path
 from statistics import median
 
 RECOVERS = ("kill", "stall", "cut", "kill-coordinator")  # the survivors must commit again
-RETURNS = ("restart", "restore", "add", "stall", "restart-coordinator")  # a node comes back
+RETURNS = (
+    "restart",
+    "restore",
+    "add",
+    "stall",
+    "restart-coordinator",
+    "rerun",
+)  # a node comes back
 
 
 def commits(rows: list[dict]) -> list[tuple[float, int, int]]:

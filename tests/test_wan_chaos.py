@@ -34,7 +34,9 @@ def test_quick_chaos_schedule_loses_nothing(tmp_path):
         assert f"ok   {key.replace('_', ' ')}" in out
     assert checks["outer_steps"] == result["outer_steps"] == 30
     assert result["undisturbed_left"] == []
-    kinds = [e["kind"] for e in result["timeline"]]
+    # (a joiner whose fetch outlasted a round exits asking to be rerun, and the script reruns
+    # it, as a supervisor would: that is reported, not a fault of the schedule)
+    kinds = [e["kind"] for e in result["timeline"] if e["kind"] != "rerun"]
     assert kinds == ["kill", "restart", "stall", "add"], result["timeline"]
     events = {e["event"].split()[0]: e for e in result["events"]}
     assert events["kill"]["commit_again_s"] is not None  # the survivor went on
