@@ -123,9 +123,9 @@ class Job:
             self._signal(p, signal.SIGSTOP)
             threading.Timer(e.seconds, self._signal, (p, signal.SIGCONT)).start()
         elif e.kind == "cut":
-            self.bed.cut(e.node)
+            self.bed.link_down(e.node)
         elif e.kind == "restore":
-            self.bed.restore(e.node)
+            self.bed.link_up(e.node)
         elif e.kind == "add":
             e = Event(e.when, e.at, e.kind, self.next_spare)
             self.start_node(self.next_spare)

@@ -84,9 +84,9 @@ def ping(bed: WanBed, src: int, dst: int) -> bool:
 def test_cut_and_restore_a_link_and_close_kills_processes_left_inside():
     with WanBed(2, rate_mbit=50) as bed:
         assert ping(bed, 0, 1)
-        bed.cut(1)
+        bed.link_down(1)
         assert not ping(bed, 0, 1)
-        bed.restore(1)
+        bed.link_up(1)
         assert ping(bed, 0, 1)
         # a stopped process left in a namespace (deleting the namespace would not end it)
         sleeper = subprocess.Popen(bed.exec_prefix(1) + ["sleep", "600"])

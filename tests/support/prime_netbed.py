@@ -126,14 +126,6 @@ class WanBed:
                     "100ms",
                 )
 
-    def cut(self, k: int) -> None:
-        """Take node k's link down (its namespace keeps its processes): a cut cable."""
-        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "down")
-
-    def restore(self, k: int) -> None:
-        """Bring node k's link back up after `cut`."""
-        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "up")
-
     def pids(self, k: int | None = None) -> list[int]:
         """Processes living in node k's namespace (every namespace of the bed when None)."""
         names = self._made if k is None else [self.node_ns[k]]
