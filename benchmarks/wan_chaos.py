@@ -1,8 +1,8 @@
-"""A DiLoCo job on the WAN bed under a schedule of faults, against the same job undisturbed.
+"""A DiLoCo job on the WAN bed (root) under a fault schedule, against the same job undisturbed.
 
-    sudo uv run python benchmarks/wan_chaos.py                  # the default schedule
-    sudo uv run python benchmarks/wan_chaos.py --quick          # a short one (the wan test)
-    sudo uv run python benchmarks/wan_chaos.py --schedule "o2:kill:1 +5:restart:1 o5:add"
+    uv run python benchmarks/wan_chaos.py                  # the default schedule
+    uv run python benchmarks/wan_chaos.py --quick          # a short one (the wan test)
+    uv run python benchmarks/wan_chaos.py --schedule "o2:kill:1 +5:restart:1 o5:add"
 
 Builds network namespaces joined by `tc tbf` links of --mbit (tests/support/prime_netbed.py):
 one per node, spares for `add` events, and one for the coordinator. Runs `prime-mesh
