@@ -49,6 +49,13 @@ def _newest(urls: list[str], token: str | None) -> int | None:
         return None
 
 
+def _newest_first(donors: list[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:
+    """`(node_id, url)` donors ordered by the step each offers, newest first: a member that
+    has not yet written this round's checkpoint would hand over the previous round's."""
+    steps = {url: _newest([url], token) for _, url in donors}
+    return sorted(donors, key=lambda d: -1 if steps[d[1]] is None else steps[d[1]], reverse=True)
+
+
 def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -92,7 +99,7 @@ def fetch_members_state(membership: Membership, ckpt_dir: Path, log: Log) -> dic
     t0 = time.monotonic()
     step, donor, errors = None, None, []
     for _ in range(3):  # the donor made a newer checkpoint meanwhile: fetch that one
-        for node_id, url in membership.donors():
+        for node_id, url in _newest_first(membership.donors(), token):
             try:
                 step = fetch_from_peer([url], ckpt_dir, token=token)
                 donor = node_id
