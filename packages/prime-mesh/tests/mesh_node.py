@@ -149,6 +149,9 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 start = time.monotonic()
                 changed = mesh.maybe_reinit_global_pg(admit_joiners=arg.get("admit", True))
                 report("reinit", changed=changed, elapsed=time.monotonic() - start, **info())
+            elif cmd == "note":  # the trainer's last committed outer step and weight hash
+                mesh.note_outer_step(arg["outer_step"], arg["outer_hash"])
+                report("noted")
             elif cmd == "ready":
                 mesh.ready()
                 report("ready", state=mesh.state)

@@ -50,7 +50,9 @@ def test_cli_status_and_coordinator_killed(children, tmp_path):
     cluster = mesh_nodes(children, address, TOKEN)
     hosts = {"a": "127.0.0.3", "b": "127.0.0.2"}
     for n in "ab":
-        cluster.start(n, metadata={"serve_url": f"http://{n}:1"}, host=hosts[n])
+        cluster.start(
+            n, metadata={"serve_url": f"http://{n}:1"}, host=hosts[n], coordinator_grace_s=2.0
+        )
     joined = {n: cluster.expect(n, "joined", timeout=120) for n in "ab"}
     assert {j["world"] for j in joined.values()} == {2}
     # gloo binds to and advertises the given host: each listens on its own address, and one
@@ -107,8 +109,8 @@ def test_cli_status_and_coordinator_killed(children, tmp_path):
     coord.wait(timeout=10)
     for n in "ab":
         cluster.send(n, "reinit")
-    for n in "ab":
-        assert cluster.expect(n, "error", timeout=BOUND)["type"] == "CoordinatorLost"
+    for n in "ab":  # no coordinator comes back within their grace
+        assert cluster.expect(n, "error", timeout=BOUND)["type"] == "CoordinatorGone"
     # Nothing else is torn down: the group they hold still works.
     cluster.send("a", "plain_allreduce", value=1.0)
     cluster.send("b", "plain_allreduce", value=3.0)

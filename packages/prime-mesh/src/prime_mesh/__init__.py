@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CollectiveDeadline": "prime_mesh.deadline",
     "Coordinator": "prime_mesh.coordinator",
+    "CoordinatorGone": "prime_mesh.errors",
     "CoordinatorLost": "prime_mesh.errors",
     "ElasticDeviceMesh": "prime_mesh.mesh",
     "MeshAuthError": "prime_mesh.errors",
@@ -23,6 +24,7 @@ _EXPORTS = {
 __all__ = [
     "CollectiveDeadline",
     "Coordinator",
+    "CoordinatorGone",
     "CoordinatorLost",
     "ElasticDeviceMesh",
     "MeshAuthError",
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from prime_mesh.coordinator import Coordinator
     from prime_mesh.deadline import CollectiveDeadline
     from prime_mesh.errors import (
+        CoordinatorGone,
         CoordinatorLost,
         MeshAuthError,
         MeshClosed,

@@ -46,6 +46,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         min_nodes=args.min_nodes,
         store_port=args.store_port,
         advertise_host=args.advertise_host,
+        reform_wait=args.reform_wait,
     ).start()
     if args.status_port is not None:
         try:
@@ -86,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     c.add_argument("--advertise-host", default=None, help="address nodes use to reach the store")
     c.add_argument("--min-nodes", type=int, default=1, help="nodes needed to form the first epoch")
+    c.add_argument(
+        "--reform-wait",
+        type=float,
+        default=30.0,
+        help="restarted on a run's address: seconds to wait for its members to reconnect "
+        "before re-forming it without the missing ones (default 30)",
+    )
     c.add_argument(
         "--token-file", default=None, help="file holding the token (else env PRIME_TOKEN)"
     )

@@ -124,7 +124,8 @@ class CoordinatorClient:
             self.check()
         assert reply is not None
         if "error" in reply:
-            cls = MeshRefused if reply.get("kind") == "refused" else MeshError
+            kind = reply.get("kind")
+            cls = {"refused": MeshRefused, "rejoin": MeshEvicted}.get(kind, MeshError)
             raise cls(f"coordinator at {self.address} refused: {reply['error']}")
         return reply
 

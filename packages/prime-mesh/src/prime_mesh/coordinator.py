@@ -59,6 +59,8 @@ class Coordinator:
     `Coordinator(host, port=0, token=None, min_nodes=1).start()`; `.address` is "host:port"
     to give nodes; `.close()` stops it. The token defaults to env PRIME_TOKEN. The first epoch
     forms once `min_nodes` nodes are registered and ready; later nodes join at sync points.
+    Restarted on the same address, it re-forms the run from the nodes that reconnect, waiting
+    up to `reform_wait` seconds for the old members (see `prime_mesh.reform`).
     """
 
     def __init__(
@@ -70,13 +72,14 @@ class Coordinator:
         min_nodes: int = 1,
         store_port: int = 0,
         advertise_host: str | None = None,
+        reform_wait: float = 30.0,
     ) -> None:
         self._key = resolve_token(token)
         self.host = host
         self._port = port
         self._store_port = store_port
         self.advertise_host = advertise_host
-        self.state = Membership(min_nodes=min_nodes)
+        self.state = Membership(min_nodes=min_nodes, reform_wait=reform_wait)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -239,7 +242,7 @@ class Coordinator:
                     node = self.state.register(conn, msg)
                 except Refused as e:
                     log.warning("refused registration from %s: %s", conn.peer, e)
-                    conn.send({"type": "reply", "id": req, "error": str(e), "kind": "refused"})
+                    conn.send({"type": "reply", "id": req, "error": str(e), "kind": e.kind})
                     raise
                 lr = int(msg["local_rank"])
                 conn.send(

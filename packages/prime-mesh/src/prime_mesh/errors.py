@@ -23,3 +23,8 @@ class CoordinatorLost(MeshError):
 
 class MeshClosed(MeshError):
     """The mesh was closed with close(); create a new ElasticDeviceMesh to join again."""
+
+
+class CoordinatorGone(CoordinatorLost):
+    """No coordinator came back at the run's address within the grace period
+    (`coordinator_grace_s`): the run cannot go on until it is restarted."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prime_mesh.progress import History, public_metadata
+from prime_mesh.reform import Refused, Resume, maybe_reform, resume_of
 
 log = logging.getLogger("prime_mesh.coordinator")
 
@@ -52,6 +53,7 @@ class Node:
     member: bool = False
     address: str = ""  # as the coordinator sees local rank 0's connection
     ready_ranks: set[int] = field(default_factory=set)
+    resume: Resume | None = None  # reconnected after a coordinator restart (see reform)
 
     @property
     def complete(self) -> bool:
@@ -62,13 +64,16 @@ class Node:
         return len(self.ready_ranks) == self.local_world_size
 
 
-class Refused(Exception):
-    """Registration refused; the message is sent to the node."""
-
-
 class Membership:
-    def __init__(self, min_nodes: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        min_nodes: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        reform_wait: float = 30.0,
+    ) -> None:
         self.min_nodes = max(1, min_nodes)
+        self.reform_wait = reform_wait
+        self._reform_since: float | None = None  # first reconnected node of a re-formation
         self.clock = clock
         self.epoch = 0
         self.prefix = ""
@@ -107,10 +112,12 @@ class Membership:
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
         hb = float(min(max(hb, 0.1), 3600.0))
+        resume = self._resume_of(key, msg.get("resume"))
         node = self.nodes.get(key)
         if node is None:
-            self._seq += 1
-            node = Node(key, f"node-{self._seq}", lws, metadata, hb)
+            self._seq += resume is None  # a reconnected node keeps its id
+            node = Node(key, resume.node_id if resume else f"node-{self._seq}", lws, metadata, hb)
+            node.resume = resume
             self.nodes[key] = node
         elif node.local_world_size != lws or lr in node.conns:
             raise Refused(
@@ -128,6 +135,9 @@ class Membership:
             log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
         self._maybe_queue(node)
         return node
+
+    def _resume_of(self, key: str, raw: Any) -> Resume | None:
+        return resume_of(self, key, raw)
 
     def ready(self, node: Node, lr: int) -> None:
         """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""
@@ -191,6 +201,8 @@ class Membership:
 
     def tick(self) -> None:
         now = self.clock()
+        if self._reform_since is not None and not self.members:
+            self._maybe_bootstrap()  # the re-formation's wait may have run out
         for node in list(self.nodes.values()):
             for lr, seen in node.last_seen.items():
                 age = now - seen
@@ -273,11 +285,21 @@ class Membership:
             self._barrier.clear()
 
     def _maybe_bootstrap(self) -> None:
-        if not self.members and len(self.joiners) >= self.min_nodes:
+        if self.members:
+            return
+        resumes = [r for k in self.joiners if (r := self.nodes[k].resume) is not None]
+        if resumes:
+            self._maybe_reform(resumes)
+            return
+        self._reform_since = None  # the reconnected nodes are gone again
+        if len(self.joiners) >= self.min_nodes:
             ids = ", ".join(self.nodes[k].node_id for k in self.joiners)
             self._new_epoch(
                 list(self.joiners), "formed", ("formed", ids, f"{self.min_nodes} node(s) needed")
             )
+
+    def _maybe_reform(self, resumes: list[Resume]) -> None:
+        maybe_reform(self, resumes)
 
     def _required(self) -> set[tuple[str, int]]:
         return {(k, lr) for k in self.members for lr in range(self.nodes[k].local_world_size)}

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import msgpack
 
-from prime_mesh.client import CoordinatorClient
 from prime_mesh.deadline import CollectiveDeadline
-from prime_mesh.epoch import Epoch, connect_store, retire, start_build
-from prime_mesh.errors import MeshClosed, MeshError, MeshEvicted
+from prime_mesh.epoch import Epoch, retire
+from prime_mesh.errors import CoordinatorGone, CoordinatorLost, MeshClosed, MeshError
+from prime_mesh.install import admit, install
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.progress import validate_progress
+from prime_mesh.reconnect import open_session, recover
 from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh")
@@ -33,6 +33,11 @@ class ElasticDeviceMesh:
     until `ready()`. Either way the sync point that admits a node counts as its own: its
     first `maybe_reinit_global_pg()` returns the new group, so it enters the members' next
     collective (loop: sync point, then collective).
+
+    If the coordinator dies, training goes on; the next sync point (or vote) reconnects to the
+    same address for up to `coordinator_grace_s` seconds and the restarted coordinator
+    re-forms the run (see `prime_mesh.reconnect`); past the grace it raises CoordinatorGone.
+    Tell the mesh each committed outer step with `note_outer_step` so it can say where it is.
     """
 
     def __init__(
@@ -52,8 +57,11 @@ class ElasticDeviceMesh:
         join_timeout: float | None = None,
         connect_timeout: float = 10.0,
         pg_timeout: float = 600.0,
+        coordinator_grace_s: float = 120.0,
     ) -> None:
         key = resolve_token(token)
+        if coordinator_grace_s < 0:
+            raise ValueError(f"coordinator_grace_s must be >= 0, got {coordinator_grace_s}")
         if not 0 < heartbeat_interval < heartbeat_timeout:
             raise ValueError(
                 f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
@@ -82,36 +90,30 @@ class ElasticDeviceMesh:
         self._connect_timeout = connect_timeout
         self._local_mesh: Any = None
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
-        node_key = shared_node_key(self.local_world_size, node_key)
-        self._client = CoordinatorClient(
-            coordinator,
-            key,
+        self.coordinator_grace_s = coordinator_grace_s
+        self._outer: tuple[int, str] = (0, "")  # last committed outer step and weight hash
+        self._key = key
+        self._register = {
+            "type": "register",
+            "node_key": shared_node_key(self.local_world_size, node_key),
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+            "metadata": self.metadata,
+            "heartbeat_timeout": heartbeat_timeout,
+        }
+        self._session_args = dict(
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             connect_timeout=connect_timeout,
+            pg_timeout=pg_timeout,
             on_message=self._on_message,
+        )
+        self._client, reply, self._store = open_session(
+            coordinator, key, {**self._register, "ready": self._ready}, **self._session_args
         )
         try:
             self.host = host or self._client.local_host
-            reply = self._client.request(
-                {
-                    "type": "register",
-                    "node_key": node_key,
-                    "local_rank": self.local_rank,
-                    "local_world_size": self.local_world_size,
-                    "metadata": self.metadata,
-                    "heartbeat_timeout": heartbeat_timeout,
-                    "ready": self._ready,
-                },
-                timeout=connect_timeout,
-                what="the coordinator to answer the registration",
-            )
-            self._client.start_heartbeats()
             self.node_id: str = reply["node_id"]
-            store_host = reply["store"][0] or self._client.coordinator_host
-            self._store = connect_store(
-                store_host, int(reply["store"][1]), connect_timeout, pg_timeout
-            )
             if reply.get("epoch"):
                 self._on_message({"type": "epoch", "epoch": reply["epoch"]})
             log.info(
@@ -139,7 +141,32 @@ class ElasticDeviceMesh:
         first). A node admitted at the members' sync point counts that one as its own: its
         first call returns True with the new group without waiting for the members' next
         sync point. Nodes that formed the run meet at their first sync point.
+
+        A member that lost the coordinator reconnects here (see the class doc) and returns
+        True with the re-formed group.
         """
+        try:
+            return self._sync_point(admit_joiners)
+        except CoordinatorLost as e:
+            if not self._recoverable(e):
+                raise
+            recover(self, e)
+            return True
+
+    def _recoverable(self, e: CoordinatorLost) -> bool:
+        return not isinstance(e, CoordinatorGone) and self._epoch is not None and not self._closed
+
+    def note_outer_step(self, outer_step: int, outer_hash: str) -> None:
+        """Tell the mesh the run's last committed outer step and the hash of its outer weights
+        (the same on every node): a restarted coordinator re-forms the run from the nodes
+        that agree on the newest (see `prime_mesh.reform`)."""
+        if not (isinstance(outer_step, int) and outer_step >= 0 and isinstance(outer_hash, str)):
+            raise ValueError(
+                f"need an outer step >= 0 and a hash, got {outer_step!r}, {outer_hash!r}"
+            )
+        self._outer = (outer_step, outer_hash)
+
+    def _sync_point(self, admit_joiners: bool) -> bool:
         self._check()
         new = False
         if self._epoch is None:
@@ -221,10 +248,24 @@ class ElasticDeviceMesh:
             raise MeshError("not admitted yet: call maybe_reinit_global_pg() first")
         if not ok:
             self._suspect = True
-        reply = self._client.request(
-            {"type": "vote", "epoch": self._epoch.number, "seq": self._vote_seq, "ok": bool(ok)},
-            what="the other members' commit votes",
-        )
+        try:
+            reply = self._client.request(
+                {
+                    "type": "vote",
+                    "epoch": self._epoch.number,
+                    "seq": self._vote_seq,
+                    "ok": bool(ok),
+                },
+                what="the other members' commit votes",
+            )
+        except CoordinatorLost as e:
+            if not self._recoverable(e):
+                raise
+            recover(self, e)  # the vote is lost with the coordinator: not committed here
+            log.info(
+                "%s: step not committed (the coordinator was lost during the vote)", self.node_id
+            )
+            return False
         self._vote_seq += 1
         result = bool(reply.get("result"))
         if not result:
@@ -334,86 +375,8 @@ class ElasticDeviceMesh:
         return self._latest is not None and self._latest.number > number
 
     def _admit(self, timeout: float | None) -> None:
-        start = time.monotonic()
-
-        def admitted() -> bool:
-            return self._latest is not None and self.node_id in self._latest.members
-
-        while not self._client.wait_for(admitted, 30.0):
-            self._client.check()
-            waited = time.monotonic() - start
-            if timeout is not None and waited >= timeout:
-                raise TimeoutError(
-                    f"{self.node_id} was not admitted within {timeout:g}s: the members admit "
-                    "joiners at their next sync point (or the run has fewer than min_nodes nodes)"
-                )
-            log.info(
-                "%s waiting %.0fs to be admitted at the members' next sync point",
-                self.node_id,
-                waited,
-            )
-        assert self._latest is not None
-        self._install(self._latest)
-        self._fresh = self.node_id in self._joined
+        admit(self, timeout)
 
     def _install(self, target: Epoch) -> None:
         """Build the group of `target` (or of any newer epoch that appears meanwhile)."""
-        started = time.monotonic()
-        failures = 0
-        while True:
-            self._check()
-            if self._latest is not None and self._latest.number > target.number:
-                target = self._latest
-            if self.node_id not in target.members:
-                self._client.wait_for(lambda: False, self.heartbeat_timeout)  # eviction notice
-                self._check()
-                raise MeshEvicted(
-                    f"{self.node_id} is not a member of epoch {target.number}; create a new mesh to rejoin"
-                )
-            box = start_build(
-                self._store,
-                target,
-                self.node_id,
-                self.local_rank,
-                self.host,
-                self._pg_timeout,
-                done=self._client.notify,
-            )
-            n = target.number
-            self._client.wait_for(lambda b=box, n=n: bool(b) or self._newer_than(n), None)
-            self._check()
-            if "pg" in box:
-                if self._pg is not None:
-                    retire(self._pg)
-                self._pg, self._epoch = box["pg"], target
-                self._vote_seq, self._suspect = 0, False
-                log.info(
-                    "%s local rank %d: epoch %d, rank %d of %d (group built in %.2fs)",
-                    self.node_id,
-                    self.local_rank,
-                    target.number,
-                    self.global_rank,
-                    self.global_world_size,
-                    time.monotonic() - started,
-                )
-                return
-            if self._newer_than(n):
-                continue  # abandon this epoch's build; it times out on its own
-            failures += 1
-            log.warning(
-                "%s: building epoch %d's group failed: %s", self.node_id, target.number, box["err"]
-            )
-            if self._client.wait_for(
-                lambda n=n: self._newer_than(n),
-                self.heartbeat_timeout + 2 * self.heartbeat_interval,
-            ):
-                continue
-            self._check()
-            if failures >= 3:
-                raise MeshError(
-                    f"could not form the inter-node group of epoch {target.number}: {box['err']}"
-                )
-            reply = self._client.request(
-                {"type": "sync", "epoch": target.number, "admit": False, "failed": True}
-            )
-            self._on_message({"type": "epoch", "epoch": reply["epoch"]})
+        install(self, target)

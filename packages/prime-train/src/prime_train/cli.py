@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     several = cfg.launch.local_nodes > 1 or cfg.launch.ranks_per_node > 1
     if several and not launched and not cfg.mesh.coordinator:
         from prime_mesh import MeshError
-        from prime_train.launch import launch_local_nodes, local_coordinator
+        from prime_train.launch import launch_local_nodes
+        from prime_train.local_coordinator import local_coordinator
         from prime_train.preflight import check_settings
         from prime_train.tokens import DataError
 

@@ -159,6 +159,12 @@ class MeshConfig(Section):
     )
     heartbeat_interval_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
     heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="silence before eviction")
+    coordinator_grace_s: float = Field(
+        120.0,
+        ge=0.0,
+        description="coordinator lost: seconds to retry its address at the next outer step "
+        "before checkpointing the last committed outer step and exiting",
+    )
     token: SecretStr | None = Field(
         None, description="shared secret; only from PRIME_TOKEN, never on the command line"
     )

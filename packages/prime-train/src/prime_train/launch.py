@@ -1,5 +1,7 @@
 """Run several simulated nodes on one machine: a coordinator plus N nodes of R ranks each.
 
+The coordinator is its own process (`prime_train.local_coordinator`), restarted if it dies.
+
 Each node is its own torch.distributed world of R rank processes (as if on its own machine,
 FSDP2 across its ranks), the cores are split over the N x R processes, and each process's
 output is prefixed with `[node k]` (`[node k rank r]`). A node is its ranks together: when one
@@ -19,8 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +68,8 @@ def launch_local_nodes(
     extra_env: dict[str, str] | None = None,
     ranks_per_node: int = 1,
 ) -> int:
-    """Start `coordinator(nodes)` (a context manager yielding a Coordinator), then `nodes`
+    """Start `coordinator(nodes)` (a context manager yielding an object with `.address` and
+    `.status()`, as `prime_train.local_coordinator.local_coordinator` does), then `nodes`
     nodes of `ranks_per_node` processes running `python -m prime_train.cli *node_argv`;
     return 0 only if every process exited 0."""
     if nodes < 1 or ranks_per_node < 1:
@@ -100,7 +103,7 @@ def launch_local_nodes(
     pumps: list[threading.Thread] = []
     errors: list[str] = []
     try:
-        os.environ["PRIME_TOKEN"] = token  # the in-process coordinator reads it too
+        os.environ["PRIME_TOKEN"] = token  # the coordinator process reads it too
         with coordinator(nodes) as coord:
             address = coord.address
             shape = f"{nodes} nodes" + (f" of {ranks_per_node} ranks" if ranks_per_node > 1 else "")
@@ -183,7 +186,7 @@ def _wait_registered(
     while len(coord.status()["nodes"]) < count:
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             return  # a rank died or is slow: its exit code or the mesh will say why
-        time.sleep(0.05)
+        time.sleep(0.2)
 
 
 def _wait_all(
@@ -229,29 +232,3 @@ def _wait_all(
         time.sleep(0.1)
     single = all(r.rank == 0 for r in ranks)
     return {(f"node {r.node}" if single else r.name): r.proc.returncode for r in ranks}
-
-
-@contextmanager
-def local_coordinator(nodes: int, status_port: int | None = None) -> Iterator[Any]:
-    """A mesh coordinator in this process for `nodes` local nodes (has .address, .status());
-    with `status_port`, it also serves the status page on 127.0.0.1 and prints its URL."""
-    import logging
-
-    from prime_mesh import Coordinator
-
-    # membership changes are progress for a person to read, beside the nodes' lines
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[coordinator] %(message)s"))
-    mesh_log = logging.getLogger("prime_mesh")
-    mesh_log.addHandler(handler)
-    mesh_log.setLevel(logging.INFO)
-    mesh_log.propagate = False
-
-    coordinator = Coordinator("127.0.0.1", port=0, min_nodes=nodes).start()
-    try:
-        if status_port is not None:
-            page = coordinator.serve_status("127.0.0.1", status_port)
-            print(f"[launch] status page at {page.url}", flush=True)
-        yield coordinator
-    finally:
-        coordinator.close()

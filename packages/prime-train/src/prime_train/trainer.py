@@ -15,7 +15,13 @@ import torch
 
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
-from prime_train.diloco.rejoin import can_rejoin, membership_lost, rejoin_running_job
+from prime_train.diloco.committed import LastCommitted
+from prime_train.diloco.rejoin import (
+    can_rejoin,
+    membership_lost,
+    rejoin_running_job,
+    rejoins_after,
+)
 from prime_train.metrics import Log
 from prime_train.optim import lr_at
 from prime_train.placement import Placement, init_placement
@@ -160,6 +166,27 @@ def enter_running_job(run: Run, outer: OuterStep, loaded: int) -> int:
     return step
 
 
+def finish_outer_step(run: Run, outer: OuterStep, committed: LastCommitted | None) -> None:
+    """`outer.finish()`; when the coordinator did not come back within the grace period,
+    checkpoint the last committed outer step first and say how to resume (CoordinatorGone)."""
+    from prime_mesh import CoordinatorGone
+
+    try:
+        outer.finish()
+    except CoordinatorGone as e:
+        if committed is None:
+            raise
+        committed.checkpoint(run, outer)  # type: ignore[arg-type]
+        mesh = run.cfg.mesh
+        raise CoordinatorGone(
+            f"the coordinator at {mesh.coordinator} did not come back within "
+            f"mesh.coordinator_grace_s={mesh.coordinator_grace_s:g}s; checkpointed step "
+            f"{committed.step} (the last committed outer step; the inner steps since are "
+            "dropped). To resume from it, start the coordinator again and rerun the same "
+            "command on every node"
+        ) from e
+
+
 def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     """The loop: inner steps, the outer step every H steps, progress lines, evaluation,
     checkpoints, and a clean stop on SIGINT/SIGTERM."""
@@ -184,6 +211,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
     # an overlapped outer step returns from start() with its all-reduce in flight
     overlapped = bool(getattr(outer, "overlapped", False))
+    # what to checkpoint should the coordinator not come back (synchronous outer step)
+    committed = LastCommitted(run, start) if outer is not None and not overlapped else None
     step, rejoins = start, 0
     rejoinable = can_rejoin(run, outer)
     lost = membership_lost()
@@ -201,12 +230,14 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 try:
                     outer.start(step)
                     if not overlapped or step == total:  # the final model is the outer weights
-                        outer.finish()
+                        finish_outer_step(run, outer, committed)
                 except lost as e:  # evicted (cut link, stall): rejoin the others by itself
-                    if not rejoinable:
+                    if not rejoinable or not rejoins_after(e):
                         raise
                     rejoins += 1
                     step = rejoin_running_job(run, outer, e, rejoins)  # type: ignore[arg-type]
+                if committed is not None:
+                    committed.take(run, step)
 
             if step % cfg.run.log_every == 0 or step == total:
                 meter.report(step)

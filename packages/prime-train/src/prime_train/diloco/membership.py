@@ -65,6 +65,7 @@ class Membership:
                 token=token,
                 heartbeat_interval=cfg.mesh.heartbeat_interval_s,
                 heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
+                coordinator_grace_s=cfg.mesh.coordinator_grace_s,
                 wait_until_ready=live_members > 0,
             )
         except BaseException:

@@ -60,6 +60,12 @@ def _common_steps(
     return common, any(int(g[-1]) > 0 for g in gathered)
 
 
+def _combined(shards: list[str]) -> str:
+    """The outer weights' hash of a node: its one shard's, or the hash of its shards' hashes
+    in local rank order."""
+    return shards[0] if len(shards) == 1 else hashlib.sha256("".join(shards).encode()).hexdigest()
+
+
 class NoCommonCheckpoint(RunDirError):
     """Some node holds checkpoints but no step is held by every node: refused rather than
     silently starting over (the message says how to proceed)."""
@@ -245,6 +251,7 @@ class Diloco:
         compute, wall = self._end_round()
         t = self.totals
         t["outer_steps"] += 1
+        self.mesh.note_outer_step(t["outer_steps"], _combined(shards))
         t["comm_bytes"] += node_bytes
         t["comm_seconds"] += stats.seconds if stats else 0.0
         report = OuterStepReport(
@@ -258,11 +265,7 @@ class Diloco:
             epoch=self.mesh.epoch,
             # several ranks: the hash of the shards' hashes, in local rank order
             contributors=self._contributors or self.mesh.global_world_size,
-            outer_sha256=(
-                shards[0]
-                if len(shards) == 1
-                else hashlib.sha256("".join(shards).encode()).hexdigest()
-            ),
+            outer_sha256=_combined(shards),
             compute_seconds=compute,
             round_seconds=wall,
         )
@@ -334,6 +337,10 @@ class Diloco:
         """Take a loaded `state_dict()` (its tensors may already be the live buffers)."""
         self.optimizer.load_state_dict(state["outer"])
         self.totals.update(state["totals"])
+        # where this node is, should the coordinator restart before the next outer step
+        self.mesh.note_outer_step(
+            int(self.totals["outer_steps"]), _combined(self._node_figures(0)[0])
+        )
 
     def agree_resume_step(self, local_steps: list[int]) -> int | None:
         """The newest checkpoint step every rank of every node holds (None: a fresh run, no

@@ -43,10 +43,20 @@ class RejoinFailed(MeshError):
 
 
 def membership_lost() -> tuple[type[BaseException], ...]:
-    """The mesh errors that mean this node is no longer a member (and may rejoin)."""
+    """The mesh errors that mean this node is no longer a member (and may rejoin); see
+    `rejoins_after` for the one kind that ends the node instead."""
     from prime_mesh import CoordinatorLost, MeshEvicted
 
     return (MeshEvicted, CoordinatorLost)
+
+
+def rejoins_after(error: BaseException) -> bool:
+    """False for `CoordinatorGone`: no coordinator came back within `mesh.coordinator_grace_s`,
+    so there is no run to rejoin; the node has checkpointed its last committed outer step and
+    exits with the line that says how to resume."""
+    from prime_mesh import CoordinatorGone
+
+    return not isinstance(error, CoordinatorGone)
 
 
 def can_rejoin(run: Run, outer: OuterStep | None) -> bool:

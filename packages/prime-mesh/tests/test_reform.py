@@ -1,0 +1,179 @@
+"""A coordinator restarted on the same address re-forms the run from the nodes that reconnect.
+
+The state machine alone (fake connections and clock), a forged or malformed reconnect against
+a real coordinator, and real node processes that lose their coordinator and get a new one.
+"""
+
+import pytest
+from mesh_node import BOUND, mesh_nodes
+
+from prime_mesh import Coordinator, MeshAuthError, MeshRefused
+from prime_mesh.client import CoordinatorClient
+from prime_mesh.membership import Membership
+from prime_mesh.wire import resolve_token
+from prime_testkit import free_port, wait_until
+
+TOKEN = "test-token-reform"
+
+
+class FakeConn:
+    peer = "test:1"
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def send(self, msg: dict) -> None:
+        self.sent.append(msg)
+
+    def close_after_flush(self) -> None:
+        pass
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _reconnect(m: Membership, key: str, node_id: str, epoch: int, step: int, digest: str):
+    resume = {
+        "node_id": node_id,
+        "epoch": epoch,
+        "members": ["node-2", "node-5", "node-3"],  # the old rank order
+        "outer_step": step,
+        "outer_hash": digest,
+    }
+    conn = FakeConn()
+    msg = {"node_key": key, "local_rank": 0, "local_world_size": 1, "resume": resume}
+    return m.register(conn, {**msg, "metadata": {}}), conn
+
+
+def test_reform_keeps_rank_order_numbers_above_and_sends_the_stale_node_away():
+    clock = Clock()
+    m = Membership(min_nodes=5, clock=clock, reform_wait=30.0)  # min_nodes is not applied
+    _reconnect(m, "k3", "node-3", 7, 4, "old")  # a round behind: sent to rejoin
+    _, conn5 = _reconnect(m, "k5", "node-5", 7, 5, "h")
+    assert m.epoch == 0 and not m.members, "waits for every member of the newest epoch"
+    _, conn2 = _reconnect(m, "k2", "node-2", 6, 5, "h")  # one epoch behind, same weights
+    assert m.epoch == 8, "numbered above the highest epoch reported"
+    assert [m.nodes[k].node_id for k in m.members] == ["node-2", "node-5"]
+    pushed = [msg for msg in conn5.sent if msg["type"] == "epoch"]
+    assert pushed[-1]["epoch"]["members"] == ["node-2", "node-5"]
+    assert "k3" not in m.nodes and "k3" in m.gone
+    # a plain joiner registering later gets a fresh id, not a missing member's
+    joiner = m.register(FakeConn(), {"node_key": "j", "local_rank": 0, "local_world_size": 1})
+    assert joiner.node_id == "node-6" and m.state_of(joiner) == "joining"
+
+
+def test_reform_without_missing_members_after_the_wait_and_late_ones_rejoin():
+    clock = Clock()
+    m = Membership(min_nodes=3, clock=clock, reform_wait=30.0)
+    node, _ = _reconnect(m, "k5", "node-5", 3, 9, "h")
+    for clock.now in (29.0, 31.0):
+        assert not m.members
+        m.heartbeat(node, 0)
+        m.tick()
+    assert m.epoch == 4 and [m.nodes[k].node_id for k in m.members] == ["node-5"]
+    with pytest.raises(Exception, match="rejoin through live recovery") as e:
+        _reconnect(m, "k2", "node-2", 3, 9, "h")
+    assert type(e.value).kind == "rejoin"
+
+
+def test_forged_or_malformed_reconnect_is_refused():
+    coord = Coordinator("127.0.0.1", 0, token=TOKEN).start()
+    try:
+        resume = {
+            "node_id": "node-1",
+            "epoch": 4,
+            "members": ["node-1"],
+            "outer_step": 9,
+            "outer_hash": "h",
+        }
+        register = {"type": "register", "node_key": "x", "local_rank": 0, "local_world_size": 1}
+        with pytest.raises(MeshAuthError):  # a forger without the token
+            client = CoordinatorClient(coord.address, resolve_token("not-the-token"))
+            try:
+                client.request({**register, "resume": resume}, timeout=10)
+            finally:
+                client.close()
+        client = CoordinatorClient(coord.address, resolve_token(TOKEN))
+        try:
+            with pytest.raises(MeshRefused, match="malformed resume record"):
+                client.request({**register, "resume": {**resume, "epoch": "4"}}, timeout=10)
+        finally:
+            client.close()
+        assert coord.status()["nodes"] == [] and coord.status()["epoch"] == 0
+    finally:
+        coord.close()
+
+
+@pytest.mark.timeout(240)
+def test_restarted_coordinator_reforms_the_run(children):
+    port = free_port()
+    coord = Coordinator("127.0.0.1", port, token=TOKEN, min_nodes=3).start()
+    cluster = mesh_nodes(children, coord.address, TOKEN)
+    names = ["a", "b", "c", "d"]
+    try:
+        for n in names[:3]:
+            cluster.start(n, coordinator_grace_s=60.0)
+        joined = {n: cluster.expect(n, "joined", timeout=120) for n in names[:3]}
+        cluster.start("d", coordinator_grace_s=60.0)  # joins, then leaves: epochs 2 and 3
+        wait_until(lambda: len(coord.status()["nodes"]) == 4, 60, what="d registered")
+        cluster.send(names, "reinit")
+        assert {cluster.expect(n, "reinit")["epoch"] for n in names[:3]} == {2}
+        cluster.expect("d", "joined", timeout=BOUND)
+        cluster.expect("d", "reinit")
+        cluster.send("d", "close")
+        cluster.expect("d", "closed")
+        cluster.send(names[:3], "reinit")
+        before = {n: cluster.expect(n, "reinit") for n in names[:3]}
+        assert {b["epoch"] for b in before.values()} == {3}
+        for n, step, digest in (("a", 5, "h5"), ("b", 5, "h5"), ("c", 4, "h4")):
+            cluster.send(n, "note", outer_step=step, outer_hash=digest)
+            cluster.expect(n, "noted")
+        coord.close()  # its sockets close, as when its process is killed
+        # min_nodes 5 would never form a new run: it is not applied to a re-formation
+        coord = Coordinator("127.0.0.1", port, token=TOKEN, min_nodes=5).start()
+        order = sorted("ab", key=lambda n: before[n]["rank"])  # the old rank order
+        cluster.send(order[1], "reinit")  # the higher rank reconnects first: the order holds
+        wait_until(lambda: len(coord.status()["nodes"]) == 1, 60, what="first one reconnected")
+        cluster.send(["c", order[0]], "reinit")
+        after = {n: cluster.expect(n, "reinit", timeout=BOUND + 30) for n in "ab"}
+        assert {a["epoch"] for a in after.values()} == {4}
+        assert all(a["changed"] for a in after.values())
+        assert [after[n]["node_id"] for n in "ab"] == [joined[n]["node_id"] for n in "ab"]
+        assert [after[n]["rank"] for n in order] == [0, 1] and after["a"]["world"] == 2
+        err = cluster.expect("c", "error", timeout=BOUND)
+        assert err["type"] == "MeshEvicted" and "rejoin through live recovery" in err["msg"]
+        status = coord.status()
+        assert status["epoch"] == 4
+        assert [(n["node_id"], n["rank"]) for n in status["nodes"]] == [
+            (joined[order[0]]["node_id"], 0),
+            (joined[order[1]]["node_id"], 1),
+        ]
+        # the new group works (rendezvous through the new coordinator's store)
+        cluster.send("a", "allreduce", value=1.0)
+        cluster.send("b", "allreduce", value=3.0)
+        assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+        cluster.send(["a", "b", "c"], "exit")
+    finally:
+        coord.close()
+
+
+@pytest.mark.timeout(120)
+def test_no_coordinator_within_the_grace_is_coordinator_gone(children):
+    coord = Coordinator("127.0.0.1", free_port(), token=TOKEN, min_nodes=2).start()
+    cluster = mesh_nodes(children, coord.address, TOKEN)
+    try:
+        for n in "ab":
+            cluster.start(n, coordinator_grace_s=2.0)
+        for n in "ab":
+            cluster.expect(n, "joined", timeout=120)
+    finally:
+        coord.close()
+    cluster.send(["a", "b"], "reinit")
+    for n in "ab":
+        err = cluster.expect(n, "error", timeout=BOUND + 30)
+        assert err["type"] == "CoordinatorGone" and "coordinator_grace_s" in err["msg"], err
+    cluster.send(["a", "b"], "exit")

@@ -1,0 +1,205 @@
+"""Losing the coordinator of a prime-train job: restarted in time, or gone past the grace.
+
+The coordinator is its own `prime-mesh coordinator` process on a fixed port, SIGKILLed mid-run;
+each node is its own `prime-train` process in its own folder, started with the same command.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prime_testkit import free_port, wait_until
+from prime_train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "coordinator-restart-test-token"
+H = 10
+STEPS = 100
+
+
+def coordinator(children, port: int, log: Path) -> subprocess.Popen:
+    args = ["coordinator", "--host", "127.0.0.1", "--port", str(port), "--min-nodes", "2"]
+    with open(log, "a") as out:
+        return children.popen(
+            [sys.executable, "-m", "prime_mesh.cli", *args],
+            env=dict(os.environ, PRIME_TOKEN=TOKEN), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+def status(port: int) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_mesh.cli", "status", "--coordinator", f"127.0.0.1:{port}"],
+        env=dict(os.environ, PRIME_TOKEN=TOKEN), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return out.stdout + out.stderr
+
+
+def node(children, folder: Path, port: int, cache: Path, grace: float) -> subprocess.Popen:
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PRIME_TOKEN=TOKEN, PRIME_MESH__COORDINATOR=f"127.0.0.1:{port}",
+               PRIME_MESH__HOST="127.0.0.1", PRIME_MESH__NODE_NAME=folder.name,
+               PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5", PRIME_MESH__HEARTBEAT_TIMEOUT_S="3",
+               PRIME_MESH__COORDINATOR_GRACE_S=str(grace), OMP_NUM_THREADS="1")  # fmt: skip
+    env.pop("PRIME_LOCAL_NODE", None)
+    args = [
+        "--config", str(ROOT / "configs" / "debug.toml"),
+        "--run.runs_dir", str(folder / "runs"),
+        "--data.cache_dir", str(cache),
+        "--train.steps", str(STEPS),
+        "--diloco.inner_steps", str(H),
+        "--ckpt.every", "40",
+        "--eval.every", "0",
+        "--run.log_every", "10",
+    ]  # fmt: skip
+    with open(folder.with_suffix(".log"), "a") as out:
+        return children.popen(
+            [sys.executable, "-m", "prime_train.cli", *args],
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
+        )  # fmt: skip
+
+
+def outer_rows(folder: Path) -> list[dict]:
+    return [
+        r for r in read_metrics(folder / "runs" / "debug" / "metrics.jsonl") if "outer_step" in r
+    ]
+
+
+def logs(tmp_path: Path) -> str:
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
+    )
+
+
+def start_run(children, tmp_path, port, cache, grace):
+    coord = coordinator(children, port, tmp_path / "coordinator.log")
+    folders = [tmp_path / f"node{k}" for k in range(2)]
+    nodes = [node(children, f, port, cache, grace) for f in folders]
+    return coord, folders, nodes
+
+
+def kill_after_outer_step(tmp_path, coord, folders, nodes, k: int) -> None:
+    wait_until(lambda: len(outer_rows(folders[0])) >= k or any(p.poll() is not None for p in nodes),
+               300, what=f"outer step {k}")  # fmt: skip
+    assert all(p.poll() is None for p in nodes), logs(tmp_path)
+    coord.send_signal(signal.SIGKILL)
+    coord.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("token-cache")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_coordinator_killed_and_restarted_mid_run(tmp_path, cache, children):
+    port = free_port()
+    coord, folders, nodes = start_run(children, tmp_path, port, cache, grace=120)
+    kill_after_outer_step(tmp_path, coord, folders, nodes, 2)
+    # the nodes go on with their inner steps and wait at the next outer step
+    for f in folders:
+        wait_until(lambda f=f: "coordinator_grace_s" in f.with_suffix(".log").read_text(), 120,
+                   what=f"{f.name} waiting for the coordinator")  # fmt: skip
+    assert all(p.poll() is None for p in nodes), logs(tmp_path)
+    coord = coordinator(children, port, tmp_path / "coordinator.log")  # the same command again
+    wait_until(lambda: "epoch 2, 2 members" in status(port), 120, what="the run re-formed")
+    codes = [p.wait(timeout=400) for p in nodes]
+    coord.send_signal(signal.SIGTERM)
+    coord.wait(timeout=30)
+    assert codes == [0, 0], logs(tmp_path)
+    per_node = [outer_rows(f) for f in folders]
+    for rows in per_node:  # no committed outer step rolled back, none skipped
+        assert [r["outer_step"] for r in rows] == list(range(1, STEPS // H + 1)), rows
+        assert rows[-1]["epoch"] == 2 and rows[-1]["nodes"] == 2, rows[-1]
+    for a, b in zip(*per_node, strict=True):
+        assert a["outer_sha256"] == b["outer_sha256"], (a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_coordinator_gone_past_the_grace_checkpoints_and_the_rerun_resumes(
+    tmp_path, cache, children
+):
+    port = free_port()
+    coord, folders, nodes = start_run(children, tmp_path, port, cache, grace=3)
+    kill_after_outer_step(tmp_path, coord, folders, nodes, 2)
+    codes = [p.wait(timeout=300) for p in nodes]
+    assert codes == [1, 1], logs(tmp_path)
+    steps = set()
+    for f in folders:
+        lines = [ln for ln in f.with_suffix(".log").read_text().splitlines()
+                 if ln.startswith("prime-train: CoordinatorGone:")]  # fmt: skip
+        assert len(lines) == 1 and "rerun the same command" in lines[0], logs(tmp_path)
+        steps.add(int(re.search(r"checkpointed step (\d+)", lines[0]).group(1)))
+    (step,) = steps  # every node stopped at the same committed outer step
+    assert step % H == 0 and step >= 2 * H
+    committed = {
+        r["outer_step"]: r["outer_sha256"] for r in outer_rows(folders[0]) if r["step"] <= step
+    }
+
+    coord = coordinator(children, port, tmp_path / "coordinator.log")
+    nodes = [node(children, f, port, cache, grace=3) for f in folders]
+    codes = [p.wait(timeout=400) for p in nodes]
+    coord.send_signal(signal.SIGTERM)
+    coord.wait(timeout=30)
+    assert codes == [0, 0], logs(tmp_path)
+    for f in folders:
+        assert f"resumed from the step-{step} checkpoint" in f.with_suffix(".log").read_text()
+    final = [{r["outer_step"]: r["outer_sha256"] for r in outer_rows(f)} for f in folders]
+    assert final[0] == final[1] and set(final[0]) == set(range(1, STEPS // H + 1))
+    for k, digest in committed.items():  # the committed steps were kept, not redone
+        assert final[0][k] == digest
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_local_launcher_restarts_a_killed_coordinator(tmp_path, cache, children):
+    runs = tmp_path / "runs"
+    env = dict(os.environ, PRIME_TOKEN=TOKEN, OMP_NUM_THREADS="1",
+               PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5", PRIME_MESH__HEARTBEAT_TIMEOUT_S="3")  # fmt: skip
+    env.pop("PRIME_LOCAL_NODE", None)
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        launcher = children.popen(
+            [sys.executable, "-m", "prime_train.cli", "--config", str(ROOT / "configs" / "debug.toml"),
+             "--run.runs_dir", str(runs), "--data.cache_dir", str(cache),
+             "--train.steps", str(STEPS), "--diloco.inner_steps", str(H), "--eval.every", "0",
+             "--launch.local_nodes", "2"],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    metrics = runs / "debug" / "metrics.jsonl"
+    wait_until(lambda: (metrics.exists() and any("outer_step" in r for r in read_metrics(metrics)))
+               or launcher.poll() is not None, 300, what="the first outer step")  # fmt: skip
+    assert launcher.poll() is None, log.read_text()[-3000:]
+    coordinators = [p for p in child_pids(launcher.pid)
+                    if b"prime_mesh.cli" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+    assert len(coordinators) == 1, coordinators
+    os.kill(coordinators[0], signal.SIGKILL)
+    assert launcher.wait(timeout=400) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "[launch] the coordinator exited" in text, text[-3000:]
+    rows = [read_metrics(runs / "debug" / n) for n in ("metrics.jsonl", "metrics-node1.jsonl")]
+    outer = [{r["outer_step"]: r for r in rs if "outer_step" in r} for rs in rows]
+    assert sorted(outer[0]) == sorted(outer[1]) == list(range(1, STEPS // H + 1))
+    for k, r in outer[0].items():
+        assert r["outer_sha256"] == outer[1][k]["outer_sha256"], k
+    assert outer[0][STEPS // H]["epoch"] == 2, "re-formed once, by the restarted coordinator"
