@@ -61,6 +61,11 @@ def test_reform_keeps_rank_order_numbers_above_and_sends_the_stale_node_away():
     pushed = [msg for msg in conn5.sent if msg["type"] == "epoch"]
     assert pushed[-1]["epoch"]["members"] == ["node-2", "node-5"]
     assert "k3" not in m.nodes and "k3" in m.gone
+    # an evicted node reconnecting to the coordinator that evicted it (its link was cut) is
+    # told to rejoin through live recovery (the client raises MeshEvicted), not refused
+    with pytest.raises(Exception, match="rejoin through live recovery") as e:
+        _reconnect(m, "k3", "node-3", 8, 5, "h")
+    assert type(e.value).kind == "rejoin"
     # a plain joiner registering later gets a fresh id, not a missing member's
     joiner = m.register(FakeConn(), {"node_key": "j", "local_rank": 0, "local_world_size": 1})
     assert joiner.node_id == "node-6" and m.state_of(joiner) == "joining"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prime_mesh.progress import History, public_metadata
-from prime_mesh.reform import Refused, Resume, maybe_reform, resume_of
+from prime_mesh.reform import Refused, Rejoin, Resume, maybe_reform, resume_of
 
 log = logging.getLogger("prime_mesh.coordinator")
 
@@ -96,6 +96,8 @@ class Membership:
         if not (lws >= 1 and 0 <= lr < lws) or not isinstance(metadata, dict):
             raise Refused(f"bad registration: local_rank {lr} of local_world_size {lws}")
         if key in self.gone:
+            if msg.get("resume") is not None:  # cut off or stalled while this coordinator ran
+                raise Rejoin("this node was evicted; rejoin through live recovery")
             raise Refused("this node was evicted; create a new ElasticDeviceMesh to rejoin")
         run = self._run_node(exclude=key)
         if run is not None and run.local_world_size != lws:
