@@ -113,6 +113,7 @@ def test_forged_or_malformed_reconnect_is_refused():
         coord.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_restarted_coordinator_reforms_the_run(children):
     port = free_port()
