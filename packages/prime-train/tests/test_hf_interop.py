@@ -196,6 +196,7 @@ def test_sharded_export_and_bad_input(exported, caplog, capsys):
     assert not (root / "y").exists() and not (root / "z").exists()
 
 
+@pytest.mark.slow
 def test_init_from_export_round_trip_is_bit_identical(exported, capsys):
     """export -> init_from -> export of the step-0 checkpoint gives the same bytes; the run
     starts from those weights, and resuming its own checkpoint takes precedence."""

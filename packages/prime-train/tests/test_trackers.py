@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from prime_train.config_load import load_config
@@ -59,6 +60,7 @@ def read_wandb(path: Path) -> tuple[dict, list[dict]]:
     return config, history
 
 
+@pytest.mark.slow
 def test_tensorboard_and_offline_wandb_through_the_cli(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PRIME_", "WANDB_"))}
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")  # no network: wandb sync uploads later
