@@ -169,6 +169,21 @@ def check_rejoined(tmp_path, node: Path, members: list[Path], times: int = 1) ->
     return int(last["step"])
 
 
+def stall_node_1_until_node_0_goes_on_alone(nodes, n0: Path, n1: Path) -> int:
+    """SIGSTOP node 1 after its second outer step, SIGCONT it once node 0 committed alone;
+    returns node 0's last outer step before the stall."""
+    wait_until(lambda: 2 in outer(n1) or nodes[1].poll() is not None, 240,
+               what="node 1's second outer step")  # fmt: skip
+    nodes[1].send_signal(signal.SIGSTOP)
+    try:
+        stalled_at = max(outer(n0))
+        wait_until(lambda: any(r["nodes"] == 1 for k, r in outer(n0).items() if k > stalled_at)
+                   or nodes[0].poll() is not None, 120, what="node 0 going on alone")  # fmt: skip
+    finally:
+        nodes[1].send_signal(signal.SIGCONT)
+    return stalled_at
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_stalled_node_is_evicted_and_rejoins_by_itself(tmp_path, token_cache, children):
@@ -178,15 +193,7 @@ def test_a_stalled_node_is_evicted_and_rejoins_by_itself(tmp_path, token_cache, 
     try:
         nodes = start_pair(children, tmp_path, coord, token_cache)
         n0, n1 = tmp_path / "node0", tmp_path / "node1"
-        wait_until(lambda: 2 in outer(n1) or nodes[1].poll() is not None, 240,
-                   what="node 1's second outer step")  # fmt: skip
-        nodes[1].send_signal(signal.SIGSTOP)
-        try:
-            stalled_at = max(outer(n0))
-            wait_until(lambda: any(r["nodes"] == 1 for k, r in outer(n0).items() if k > stalled_at)
-                       or nodes[0].poll() is not None, 120, what="node 0 going on alone")  # fmt: skip
-        finally:
-            nodes[1].send_signal(signal.SIGCONT)
+        stalled_at = stall_node_1_until_node_0_goes_on_alone(nodes, n0, n1)
         alone = [k for k, r in outer(n0).items() if k > stalled_at and r["nodes"] == 1]
         codes = [p.wait(timeout=300) for p in (nodes[0], nodes[1])]
     finally:
@@ -217,15 +224,7 @@ def test_a_node_past_its_rejoin_bound_exits_1_with_a_clear_line(tmp_path, token_
         wait_until(lambda: len(coord.status()["nodes"]) > 0, 120, what="node 0 registers")
         nodes[1] = start(children, n1, "node1", coord.address, token_cache,
                          tmp_path / "node1.log", extra=["--diloco.max_rejoins", "0"])  # fmt: skip
-        wait_until(lambda: 2 in outer(n1) or nodes[1].poll() is not None, 240,
-                   what="node 1's second outer step")  # fmt: skip
-        nodes[1].send_signal(signal.SIGSTOP)
-        try:
-            stalled_at = max(outer(n0))
-            wait_until(lambda: any(r["nodes"] == 1 for k, r in outer(n0).items() if k > stalled_at)
-                       or nodes[0].poll() is not None, 120, what="node 0 going on alone")  # fmt: skip
-        finally:
-            nodes[1].send_signal(signal.SIGCONT)
+        stall_node_1_until_node_0_goes_on_alone(nodes, n0, n1)
         codes = [p.wait(timeout=300) for p in (nodes[0], nodes[1])]
     finally:
         coord.close()
