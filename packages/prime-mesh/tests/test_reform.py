@@ -167,6 +167,44 @@ def test_restarted_coordinator_reforms_the_run(children):
         coord.close()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_epoch_the_lost_coordinator_pushed_is_void(children):
+    """The old coordinator evicts c and pushes epoch 2 to a and b, which never install it;
+    the restarted one numbers its own epoch 2 (other prefix): the nodes must wait for that."""
+    port = free_port()
+    coord = Coordinator("127.0.0.1", port, token=TOKEN, min_nodes=3).start()
+    cluster = mesh_nodes(children, coord.address, TOKEN)
+    try:
+        for n in "abc":
+            cluster.start(n, coordinator_grace_s=60.0)
+        for n in "abc":
+            cluster.expect(n, "joined", timeout=120)
+        for n in "ab":
+            cluster.send(n, "note", outer_step=5, outer_hash="h5")
+            cluster.expect(n, "noted")
+        cluster.send("c", "exit")  # its connection closes: epoch 2 is pushed to a and b
+
+        def holds_epoch_2(n: str) -> bool:  # should_abort: a newer epoch waits to be installed
+            cluster.send(n, "check")
+            return cluster.expect(n, "check")["abort"]
+
+        for n in "ab":
+            wait_until(lambda n=n: holds_epoch_2(n), 60, what=f"{n} got epoch 2")
+        coord.close()
+        coord = Coordinator("127.0.0.1", port, token=TOKEN, reform_wait=8.0).start()
+        cluster.send(["a", "b"], "reinit")
+        after = {n: cluster.expect(n, "reinit", timeout=120) for n in "ab"}
+        # installed only once the new coordinator re-formed (after waiting for c in vain)
+        assert coord.status()["epoch"] == 2 and {a["epoch"] for a in after.values()} == {2}
+        cluster.send("a", "allreduce", value=1.0)
+        cluster.send("b", "allreduce", value=3.0)
+        assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+        cluster.send(["a", "b"], "exit")
+    finally:
+        coord.close()
+
+
 @pytest.mark.timeout(120)
 def test_no_coordinator_within_the_grace_is_coordinator_gone(children):
     coord = Coordinator("127.0.0.1", free_port(), token=TOKEN, min_nodes=2).start()

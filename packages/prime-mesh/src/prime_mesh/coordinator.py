@@ -225,7 +225,9 @@ class Coordinator:
             log.exception("closing the connection from %s after an error", peer)
         finally:
             self._conns.discard(conn)
-            if node is not None:
+            # A closing coordinator evicts no one: pushing the epochs of its own shutdown would
+            # leave the nodes holding epochs that a restarted coordinator numbers again.
+            if node is not None and not self._stop.is_set():
                 with self._lock:
                     self.state.evict(node, f"connection of local rank {lr} closed")
             conn.close_after_flush()

@@ -70,6 +70,9 @@ def recover(mesh: ElasticDeviceMesh, cause: Exception) -> None:
     assert epoch is not None
     address, grace = mesh._client.address, mesh.coordinator_grace_s
     mesh._client.close()
+    # An epoch the lost coordinator pushed but this node never installed is void: the
+    # restarted coordinator numbers its epochs from the installed ones reported to it.
+    mesh._latest = epoch
     outer_step, outer_hash = mesh._outer
     started = time.monotonic()
     deadline = started + grace
