@@ -205,6 +205,43 @@ def test_an_epoch_the_lost_coordinator_pushed_is_void(children):
         coord.close()
 
 
+@pytest.mark.timeout(180)
+def test_a_vote_after_the_loss_reconnects_and_is_not_committed(children):
+    """The coordinator dies between the sync point and the vote (an overlapped round): the
+    vote reconnects like a sync point would, and answers False on every node."""
+    port = free_port()
+    coord = Coordinator("127.0.0.1", port, token=TOKEN, min_nodes=2).start()
+    cluster = mesh_nodes(children, coord.address, TOKEN)
+    try:
+        for n in "ab":
+            cluster.start(n, coordinator_grace_s=60.0)
+        for n in "ab":
+            cluster.expect(n, "joined", timeout=120)
+            cluster.send(n, "note", outer_step=3, outer_hash="h3")
+            cluster.expect(n, "noted")
+        coord.close()
+
+        def noticed(n: str) -> bool:  # its heartbeats found the coordinator gone
+            cluster.send(n, "check")
+            kind, kw = cluster.get(n)
+            return kind == "error" and kw["type"] == "CoordinatorLost"
+
+        for n in "ab":
+            wait_until(lambda n=n: noticed(n), 60, what=f"{n} noticed the loss")
+        coord = Coordinator("127.0.0.1", port, token=TOKEN).start()
+        cluster.send(["a", "b"], "vote", ok=True)
+        assert [cluster.expect(n, "vote", timeout=120)["result"] for n in "ab"] == [False, False]
+        assert coord.status()["epoch"] == 2
+        cluster.send(["a", "b"], "reinit")  # the next sync point builds the group afresh
+        assert {cluster.expect(n, "reinit")["epoch"] for n in "ab"} == {2}
+        cluster.send("a", "allreduce", value=1.0)
+        cluster.send("b", "allreduce", value=3.0)
+        assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+        cluster.send(["a", "b"], "exit")
+    finally:
+        coord.close()
+
+
 @pytest.mark.timeout(120)
 def test_no_coordinator_within_the_grace_is_coordinator_gone(children):
     coord = Coordinator("127.0.0.1", free_port(), token=TOKEN, min_nodes=2).start()

@@ -243,12 +243,14 @@ class ElasticDeviceMesh:
         changed epoch) makes the result False for all, and marks the group suspect so the next
         maybe_reinit_global_pg() builds a fresh one.
         """
-        self._check()
+        if self._closed:
+            raise MeshClosed("this ElasticDeviceMesh was closed; create a new one to join again")
         if self._epoch is None:
             raise MeshError("not admitted yet: call maybe_reinit_global_pg() first")
         if not ok:
             self._suspect = True
         try:
+            self._client.check()  # lost since the sync point (an overlapped round's vote)
             reply = self._client.request(
                 {
                     "type": "vote",
@@ -359,7 +361,12 @@ class ElasticDeviceMesh:
         self._client.check()
 
     def _current(self) -> Epoch:
-        self._check()
+        """The installed epoch. A lost coordinator does not change it (its group still works
+        until the next sync point or vote reconnects), so that loss is not raised here."""
+        try:
+            self._check()
+        except CoordinatorLost:
+            pass
         if self._epoch is None:
             raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
         return self._epoch
