@@ -109,6 +109,32 @@ def test_only_the_first_member_logs(tmp_path):
     assert events.name.endswith(".node1")
 
 
+def test_reporting_follows_a_rejoined_nodes_new_registration(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from prime_train.reporting import attach_reporting
+
+    class Mesh:
+        def __init__(self, rank):
+            self.global_rank, self.reports = rank, []
+
+        def report_progress(self, **numbers):
+            self.reports.append(numbers)
+
+    cfg = load_config(str(DEBUG), ["--run.trackers", '["tensorboard"]'])
+    old, new = Mesh(1), Mesh(0)
+    placement = NS(membership=NS(mesh=old), node=NS(index=1))
+    run = NS(primary=True, placement=placement, metrics=NS(sinks=[]), run_dir=tmp_path,
+             log=Log("[test]", True))  # fmt: skip
+    attach_reporting(cfg, run)
+    progress, trackers = run.metrics.sinks
+    assert not trackers.leader()
+    placement.membership = NS(mesh=new)  # `diloco/rejoin.py` swaps in the new registration
+    assert trackers.leader(), "the rejoined node leads as rank 0 of its new epoch"
+    progress.write({"step": 5})
+    assert new.reports == [{"step": 5}] and old.reports == []
+
+
 def test_mesh_progress_reports_rows_and_the_time_split():
     from prime_train.reporting import MeshProgress
 
@@ -123,7 +149,7 @@ def test_mesh_progress_reports_rows_and_the_time_split():
 
     now = [100.0]
     mesh = Mesh()
-    sink = MeshProgress(mesh, clock=lambda: now[0])
+    sink = MeshProgress(lambda: mesh, clock=lambda: now[0])
     sink.write({"step": 10, "loss": float("nan"), "lr": 0.1, "tokens_per_s": 900.0, "time": 1.0})
     now[0] = 112.0
     sink.write({"step": 20, "outer_step": 1, "outer_seconds": 2.0, "allreduce_seconds": 0.5,

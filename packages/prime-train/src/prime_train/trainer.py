@@ -120,7 +120,7 @@ def train(
                 log=log,
                 node_group=placement.group,
             )
-        attach_reporting(cfg, run, mesh)
+        attach_reporting(cfg, run)
         return train_loop(run, outer)
     finally:
         close = getattr(outer, "close", None)
@@ -166,13 +166,17 @@ def enter_running_job(run: Run, outer: OuterStep, loaded: int) -> int:
     return step
 
 
-def finish_outer_step(run: Run, outer: OuterStep, committed: LastCommitted | None) -> None:
-    """`outer.finish()`; when the coordinator did not come back within the grace period,
-    checkpoint the last committed outer step first and say how to resume (CoordinatorGone)."""
+@contextlib.contextmanager
+def checkpoint_if_coordinator_gone(
+    run: Run, outer: OuterStep, committed: LastCommitted | None
+) -> Iterator[None]:
+    """Around the outer step and the checkpoint (a delayed outer step's round ends in either):
+    when the coordinator did not come back within the grace period, checkpoint the last
+    committed outer step and say how to resume (CoordinatorGone)."""
     from prime_mesh import CoordinatorGone
 
     try:
-        outer.finish()
+        yield
     except CoordinatorGone as e:
         if committed is None:
             raise
@@ -211,8 +215,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
     # an overlapped outer step returns from start() with its all-reduce in flight
     overlapped = bool(getattr(outer, "overlapped", False))
-    # what to checkpoint should the coordinator not come back (synchronous outer step)
-    committed = LastCommitted(run, start) if outer is not None and not overlapped else None
+    # what to checkpoint should the coordinator not come back
+    committed = LastCommitted(run, start) if outer is not None else None
     step, rejoins = start, 0
     rejoinable = can_rejoin(run, outer)
     lost = membership_lost()
@@ -228,9 +232,10 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
             at_outer_boundary = step % cfg.diloco.inner_steps == 0 or step == total
             if outer is not None and at_outer_boundary:
                 try:
-                    outer.start(step)
-                    if not overlapped or step == total:  # the final model is the outer weights
-                        finish_outer_step(run, outer, committed)
+                    with checkpoint_if_coordinator_gone(run, outer, committed):
+                        outer.start(step)
+                        if not overlapped or step == total:  # the final model: outer weights
+                            outer.finish()
                 except lost as e:  # evicted (cut link, stall): rejoin the others by itself
                     if not rejoinable or not rejoins_after(e):
                         raise
@@ -251,7 +256,11 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
                     eval_loss = run.evaluate_and_record(step)
                 if stopping or step == total or checkpoint_due:
-                    run.checkpoint(step, outer)
+                    if outer is None:
+                        run.checkpoint(step, outer)
+                    else:
+                        with checkpoint_if_coordinator_gone(run, outer, committed):
+                            run.checkpoint(step, outer)
             if stopping:
                 log.info(
                     f"{stop.signal} received: stopped after step {step} and checkpointed; "

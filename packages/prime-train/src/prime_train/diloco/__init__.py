@@ -7,12 +7,8 @@ from prime_train.config import DilocoConfig
 from prime_train.diloco.delayed import DelayedDiloco
 from prime_train.diloco.membership import Membership, uses_mesh
 from prime_train.diloco.outer_optimizer import OuterOptimizer, local_tensor
-from prime_train.diloco.outer_step import (
-    Diloco,
-    NoCommonCheckpoint,
-    OuterStepFailed,
-    OuterStepReport,
-)
+from prime_train.diloco.outer_step import Diloco, OuterStepFailed, OuterStepReport
+from prime_train.diloco.resume_agreement import NoCommonCheckpoint
 
 
 def make_outer_step(cfg: DilocoConfig, *args, **kwargs) -> Diloco:

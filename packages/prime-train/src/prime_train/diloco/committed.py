@@ -1,7 +1,7 @@
 """The state of the last committed outer step, for a run whose coordinator does not come back.
 
 Only a committed outer step changes the outer weights and momentum, and every node holds the
-same ones. With the loop's position at that step (data order, progress, RNG), kept here at
+same ones (with `overlap = "delayed"`, the round in flight is dropped as a failed one is). With the loop's position at that step (data order, progress, RNG), kept here at
 each commit, a node can checkpoint the step every node agrees on, dropping the inner steps
 since (the replicas are not in sync). Rerunning the same commands resumes from it.
 """
@@ -36,7 +36,7 @@ class LastCommitted:
         moments are kept as they are: the one part not rolled back."""
         if self.step in run.ckpt.committed_steps():
             return
-        outer.optimizer.load_into_model()
+        outer.rollback_to_outer()
         run.loader.load_state_dict(self.data)
         run.progress.clear()
         run.progress.update(self.progress)

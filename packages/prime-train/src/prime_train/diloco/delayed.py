@@ -180,6 +180,14 @@ class DelayedDiloco(Diloco):
                 buf.copy_(state[key])
         self._round = dict(_NO_ROUND, **state["round"])
 
+    def rollback_to_outer(self) -> None:
+        """The outer weights into the model with no round in flight or pending: the round whose
+        end raised (the coordinator gone) is dropped, and the next `start` begins afresh."""
+        assert self._thread is None, "rollback with a round in flight"
+        self._round, self._fatal = dict(_NO_ROUND), None
+        super().rollback_to_outer()
+        self.round_start.copy_(self.optimizer.weights)
+
     def close(self, timeout: float = 60.0) -> None:
         """On the way out (the loop failed with a round in flight): give the round `timeout`
         seconds to end before the mesh closes; never hang the exit on it (daemon thread)."""

@@ -13,7 +13,7 @@ Every H inner steps the trainer calls `start(step)` then `finish()`:
 
 Here `finish` follows `start` at once (`[diloco] overlap = "none"`); `diloco/delayed.py` builds
 the overlapped step on the same pieces, its all-reduce running in the background while the
-next inner steps compute. Where to resume is agreed here too (`agree_resume_step`). Every row
+next inner steps compute. Where to resume is agreed through it too (`diloco/resume_agreement.py`). Every row
 also carries the round's compute utilisation: inner compute time (`add_compute_time`, from the
 loop) over the wall time since the previous outer step ended.
 """
@@ -29,46 +29,21 @@ import torch
 import torch.distributed as dist
 
 import prime_comm
+from prime_mesh import MeshError
 from prime_train.config import DilocoConfig
 from prime_train.diloco.outer_optimizer import OuterOptimizer
+from prime_train.diloco.resume_agreement import agree_resume_step
 from prime_train.metrics import Log, Metrics
 from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
 
-_MAX_SHARED_STEPS = 32  # resume agreement compares this many newest checkpoint steps
-
-
-def _common_steps(
-    steps: list[int], group: Any, world: int, held: bool = False
-) -> tuple[set[int], bool]:
-    """The steps (of the newest `_MAX_SHARED_STEPS` each) that every member of `group` holds,
-    and whether any member holds a step (or was told `held`)."""
-    mine = sorted(steps)[-_MAX_SHARED_STEPS:]
-    t = torch.full((_MAX_SHARED_STEPS + 1,), -1, dtype=torch.int64)
-    t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-    t[-1] = int(held or bool(steps))
-    if group is not None:
-        world = dist.get_world_size(group)
-    if world > 1:
-        gathered = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(gathered, t, group=group)
-    else:
-        gathered = [t]
-    common = set.intersection(*({int(s) for s in g[:-1].tolist() if s >= 0} for g in gathered))
-    return common, any(int(g[-1]) > 0 for g in gathered)
-
 
 def _combined(shards: list[str]) -> str:
     """The outer weights' hash of a node: its one shard's, or the hash of its shards' hashes
     in local rank order."""
     return shards[0] if len(shards) == 1 else hashlib.sha256("".join(shards).encode()).hexdigest()
-
-
-class NoCommonCheckpoint(RunDirError):
-    """Some node holds checkpoints but no step is held by every node: refused rather than
-    silently starting over (the message says how to proceed)."""
 
 
 class OuterStepFailed(RuntimeError):
@@ -271,10 +246,11 @@ class Diloco:
         )
         self._nodes_now = report.nodes
         if report.epoch != self._last_epoch:
-            self._info(
-                f"mesh epoch {report.epoch}: {report.nodes} node(s) "
-                f"{[m.get('node_id') for m in self.mesh.members()]}"
-            )
+            try:
+                ids = [m.get("node_id") for m in self.mesh.members()]
+            except MeshError as e:  # the coordinator was lost after the vote: the next sync
+                ids = f"(members unknown: {type(e).__name__})"  # point reconnects
+            self._info(f"mesh epoch {report.epoch}: {report.nodes} node(s) {ids}")
             self._last_epoch = report.epoch
         self._info(
             f"outer step {report.outer_step} at step {step} | {seconds:.2f} s "
@@ -347,20 +323,9 @@ class Diloco:
         node holds any): agreed inside the node first, then across nodes, each in one
         all-gather. NoCommonCheckpoint, on every node alike, when nodes hold checkpoints but
         share none: starting over would throw the run's progress away."""
-        node_steps, node_held = _common_steps(local_steps, self.node_group, 1)
-        common, held = _common_steps(
-            sorted(node_steps), self.mesh.global_pg, self.mesh.global_world_size, node_held
+        return agree_resume_step(
+            local_steps, self.node_group, self.mesh.global_pg, self.mesh.global_world_size
         )
-        if held and not common:
-            raise NoCommonCheckpoint(
-                "the nodes share no checkpoint step (this node holds "
-                f"{sorted(local_steps) or 'none'}), so the run cannot resume, and starting "
-                "over would throw its progress away. A node restarted on a new machine finds "
-                "its checkpoints by its name: start it with its former --mesh.node_name (its "
-                "remote copies are under ckpt.remote/NAME) or copy its checkpoint folder over; "
-                "to start the run over, move every node's checkpoints aside"
-            )
-        return max(common) if common else None
 
     def joiners_waiting(self) -> bool:
         """Whether a node is registered but not a member yet (it needs the state of the round
@@ -372,6 +337,11 @@ class Diloco:
         if self.node_group is not None:
             dist.broadcast_object_list(mine, group_src=0, group=self.node_group)
         return bool(mine[0])
+
+    def rollback_to_outer(self) -> None:
+        """Put the model back to the outer weights, the state every node shares since the last
+        commit (a coordinator that did not come back: see `diloco/committed.py`)."""
+        self.optimizer.load_into_model()
 
     def reattach(self, mesh: ElasticDeviceMesh) -> None:
         """Use `mesh`, a new registration of this node after it lost its membership (see

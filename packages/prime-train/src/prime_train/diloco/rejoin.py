@@ -137,9 +137,6 @@ def rejoin_running_job(run: Run, outer: OuterStep, error: BaseException, rejoins
     membership = _register_again(run, error)
     placement.membership = membership
     outer.reattach(membership.mesh)  # type: ignore[attr-defined]
-    for sink in run.metrics.sinks:  # the status page hears from the new registration
-        if hasattr(sink, "mesh"):
-            sink.mesh = membership.mesh
     run.log.info(
         f"registered again as {membership.mesh.node_id} after "
         f"{time.monotonic() - t0:.1f} s ({membership.members_seen} member(s)): fetching their state"
