@@ -114,7 +114,7 @@ class Membership:
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
         hb = float(min(max(hb, 0.1), 3600.0))
-        resume = self._resume_of(key, msg.get("resume"))
+        resume = resume_of(self, key, msg.get("resume"))
         node = self.nodes.get(key)
         if node is None:
             self._seq += resume is None  # a reconnected node keeps its id
@@ -137,9 +137,6 @@ class Membership:
             log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
         self._maybe_queue(node)
         return node
-
-    def _resume_of(self, key: str, raw: Any) -> Resume | None:
-        return resume_of(self, key, raw)
 
     def ready(self, node: Node, lr: int) -> None:
         """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""
@@ -291,7 +288,7 @@ class Membership:
             return
         resumes = [r for k in self.joiners if (r := self.nodes[k].resume) is not None]
         if resumes:
-            self._maybe_reform(resumes)
+            maybe_reform(self, resumes)
             return
         self._reform_since = None  # the reconnected nodes are gone again
         if len(self.joiners) >= self.min_nodes:
@@ -299,9 +296,6 @@ class Membership:
             self._new_epoch(
                 list(self.joiners), "formed", ("formed", ids, f"{self.min_nodes} node(s) needed")
             )
-
-    def _maybe_reform(self, resumes: list[Resume]) -> None:
-        maybe_reform(self, resumes)
 
     def _required(self) -> set[tuple[str, int]]:
         return {(k, lr) for k in self.members for lr in range(self.nodes[k].local_world_size)}

@@ -243,14 +243,12 @@ class ElasticDeviceMesh:
         changed epoch) makes the result False for all, and marks the group suspect so the next
         maybe_reinit_global_pg() builds a fresh one.
         """
-        if self._closed:
-            raise MeshClosed("this ElasticDeviceMesh was closed; create a new one to join again")
-        if self._epoch is None:
-            raise MeshError("not admitted yet: call maybe_reinit_global_pg() first")
-        if not ok:
-            self._suspect = True
         try:
-            self._client.check()  # lost since the sync point (an overlapped round's vote)
+            self._check()  # the coordinator may be lost since the sync point (overlapped round)
+            if self._epoch is None:
+                raise MeshError("not admitted yet: call maybe_reinit_global_pg() first")
+            if not ok:
+                self._suspect = True
             reply = self._client.request(
                 {
                     "type": "vote",

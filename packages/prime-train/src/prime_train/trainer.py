@@ -168,7 +168,7 @@ def enter_running_job(run: Run, outer: OuterStep, loaded: int) -> int:
 
 @contextlib.contextmanager
 def checkpoint_if_coordinator_gone(
-    run: Run, outer: OuterStep, committed: LastCommitted | None
+    run: Run, outer: OuterStep | None, committed: LastCommitted | None
 ) -> Iterator[None]:
     """Around the outer step and the checkpoint (a delayed outer step's round ends in either):
     when the coordinator did not come back within the grace period, checkpoint the last
@@ -256,11 +256,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
                     eval_loss = run.evaluate_and_record(step)
                 if stopping or step == total or checkpoint_due:
-                    if outer is None:
+                    with checkpoint_if_coordinator_gone(run, outer, committed):
                         run.checkpoint(step, outer)
-                    else:
-                        with checkpoint_if_coordinator_gone(run, outer, committed):
-                            run.checkpoint(step, outer)
             if stopping:
                 log.info(
                     f"{stop.signal} received: stopped after step {step} and checkpointed; "

@@ -13,9 +13,10 @@ Every H inner steps the trainer calls `start(step)` then `finish()`:
 
 Here `finish` follows `start` at once (`[diloco] overlap = "none"`); `diloco/delayed.py` builds
 the overlapped step on the same pieces, its all-reduce running in the background while the
-next inner steps compute. Where to resume is agreed through it too (`diloco/resume_agreement.py`). Every row
-also carries the round's compute utilisation: inner compute time (`add_compute_time`, from the
-loop) over the wall time since the previous outer step ended.
+next inner steps compute. Where to resume is agreed through it too
+(`diloco/resume_agreement.py`). Every row also carries the round's compute utilisation: inner
+compute time (`add_compute_time`, from the loop) over the wall time since the previous outer
+step ended.
 """
 
 from __future__ import annotations
@@ -226,7 +227,8 @@ class Diloco:
         compute, wall = self._end_round()
         t = self.totals
         t["outer_steps"] += 1
-        self.mesh.note_outer_step(t["outer_steps"], _combined(shards))
+        digest = _combined(shards)  # several ranks: the hash of the shards' hashes, in order
+        self.mesh.note_outer_step(t["outer_steps"], digest)
         t["comm_bytes"] += node_bytes
         t["comm_seconds"] += stats.seconds if stats else 0.0
         report = OuterStepReport(
@@ -238,9 +240,8 @@ class Diloco:
             bytes_sent=node_bytes,
             nodes=self.mesh.global_world_size,
             epoch=self.mesh.epoch,
-            # several ranks: the hash of the shards' hashes, in local rank order
             contributors=self._contributors or self.mesh.global_world_size,
-            outer_sha256=_combined(shards),
+            outer_sha256=digest,
             compute_seconds=compute,
             round_seconds=wall,
         )
