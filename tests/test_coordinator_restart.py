@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_testkit import free_port, wait_until
+from prime_testkit import cli_node, free_port, wait_until
 from prime_train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,28 +42,13 @@ def status(port: int) -> str:
 def node(
     children, folder: Path, port: int, cache: Path, grace: float, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen:
-    folder.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PRIME_TOKEN=TOKEN, PRIME_MESH__COORDINATOR=f"127.0.0.1:{port}",
-               PRIME_MESH__HOST="127.0.0.1", PRIME_MESH__NODE_NAME=folder.name,
-               PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5", PRIME_MESH__HEARTBEAT_TIMEOUT_S="3",
-               PRIME_MESH__COORDINATOR_GRACE_S=str(grace), OMP_NUM_THREADS="1")  # fmt: skip
-    env.pop("PRIME_LOCAL_NODE", None)
-    args = [
-        "--config", str(ROOT / "configs" / "debug.toml"),
-        "--run.runs_dir", str(folder / "runs"),
-        "--data.cache_dir", str(cache),
-        "--train.steps", str(STEPS),
-        "--diloco.inner_steps", str(H),
-        "--ckpt.every", "40",
-        "--eval.every", "0",
-        "--run.log_every", "10",
-        *extra,
-    ]  # fmt: skip
+    argv, env = cli_node(
+        folder, coordinator=f"127.0.0.1:{port}", host="127.0.0.1", token=TOKEN, cache=cache,
+        steps=STEPS, inner_steps=H, env={"PRIME_MESH__COORDINATOR_GRACE_S": str(grace)},
+        args=extra,
+    )  # fmt: skip
     with open(folder.with_suffix(".log"), "a") as out:
-        return children.popen(
-            [sys.executable, "-m", "prime_train.cli", *args],
-            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
-        )  # fmt: skip
+        return children.popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=folder)
 
 
 def outer_rows(folder: Path) -> list[dict]:

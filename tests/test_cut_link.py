@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 from prime_netbed import WanBed, bed_unavailable_reason
 
-from prime_testkit import wait_until
+from prime_testkit import cli_node, wait_until
 from prime_train.metrics import read_metrics
 
 pytestmark = [
     pytest.mark.wan,
     pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason())),
 ]
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "cut-link-test-token"
 H = 10
 STEPS = 200
@@ -47,27 +46,14 @@ def logs(tmp_path: Path) -> str:
 
 
 def start_node(children, bed: WanBed, k: int, tmp_path: Path, cache: Path):
-    folder = tmp_path / f"node{k}"
-    folder.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PRIME_TOKEN=TOKEN, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-               PRIME_MESH__COORDINATOR=f"{bed.ip(COORD)}:{PORT}", PRIME_MESH__HOST=bed.ip(k),
-               PRIME_MESH__NODE_NAME=f"node{k}", PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5",
-               PRIME_MESH__HEARTBEAT_TIMEOUT_S="3")  # fmt: skip
-    env.pop("PRIME_LOCAL_NODE", None)
-    args = [
-        "--config", str(ROOT / "configs" / "debug.toml"),
-        "--run.runs_dir", str(folder / "runs"),
-        "--data.cache_dir", str(cache),
-        "--train.steps", str(STEPS),
-        "--diloco.inner_steps", str(H),
-        "--ckpt.every", "40",
-        "--eval.every", "0",
-        "--run.log_every", "10",
-    ]  # fmt: skip
+    argv, env = cli_node(
+        tmp_path / f"node{k}", coordinator=f"{bed.ip(COORD)}:{PORT}", host=bed.ip(k),
+        token=TOKEN, cache=cache, steps=STEPS, inner_steps=H, env={"GLOO_SOCKET_IFNAME": "eth0"},
+    )  # fmt: skip
     with open(tmp_path / f"node{k}.log", "a") as out:
         return children.popen(
-            bed.exec_prefix(k) + [sys.executable, "-m", "prime_train.cli", *args],
-            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
+            bed.exec_prefix(k) + argv,
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path / f"node{k}",
         )  # fmt: skip
 
 

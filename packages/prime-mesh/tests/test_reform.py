@@ -113,6 +113,27 @@ def test_forged_or_malformed_reconnect_is_refused():
         coord.close()
 
 
+def _start(cluster, names: str | list[str]) -> dict[str, dict]:
+    """Start node processes `names` (a 60 s coordinator grace); their `joined` reports."""
+    for n in names:
+        cluster.start(n, coordinator_grace_s=60.0)
+    return {n: cluster.expect(n, "joined", timeout=120) for n in names}
+
+
+def _note(cluster, notes: list[tuple[str, int, str]]) -> None:
+    """Tell each node its last committed outer step and weight hash: (name, step, hash)."""
+    for n, step, digest in notes:
+        cluster.send(n, "note", outer_step=step, outer_hash=digest)
+        cluster.expect(n, "noted")
+
+
+def _group_works(cluster) -> None:
+    """a and b all-reduce over the group they now hold (rendezvous through the new store)."""
+    cluster.send("a", "allreduce", value=1.0)
+    cluster.send("b", "allreduce", value=3.0)
+    assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_restarted_coordinator_reforms_the_run(children):
@@ -121,9 +142,7 @@ def test_restarted_coordinator_reforms_the_run(children):
     cluster = mesh_nodes(children, coord.address, TOKEN)
     names = ["a", "b", "c", "d"]
     try:
-        for n in names[:3]:
-            cluster.start(n, coordinator_grace_s=60.0)
-        joined = {n: cluster.expect(n, "joined", timeout=120) for n in names[:3]}
+        joined = _start(cluster, names[:3])
         cluster.start("d", coordinator_grace_s=60.0)  # joins, then leaves: epochs 2 and 3
         wait_until(lambda: len(coord.status()["nodes"]) == 4, 60, what="d registered")
         cluster.send(names, "reinit")
@@ -135,9 +154,7 @@ def test_restarted_coordinator_reforms_the_run(children):
         cluster.send(names[:3], "reinit")
         before = {n: cluster.expect(n, "reinit") for n in names[:3]}
         assert {b["epoch"] for b in before.values()} == {3}
-        for n, step, digest in (("a", 5, "h5"), ("b", 5, "h5"), ("c", 4, "h4")):
-            cluster.send(n, "note", outer_step=step, outer_hash=digest)
-            cluster.expect(n, "noted")
+        _note(cluster, [("a", 5, "h5"), ("b", 5, "h5"), ("c", 4, "h4")])
         coord.close()  # its sockets close, as when its process is killed
         # min_nodes 5 would never form a new run: it is not applied to a re-formation
         coord = Coordinator("127.0.0.1", port, token=TOKEN, min_nodes=5).start()
@@ -158,10 +175,7 @@ def test_restarted_coordinator_reforms_the_run(children):
             (joined[order[0]]["node_id"], 0),
             (joined[order[1]]["node_id"], 1),
         ]
-        # the new group works (rendezvous through the new coordinator's store)
-        cluster.send("a", "allreduce", value=1.0)
-        cluster.send("b", "allreduce", value=3.0)
-        assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+        _group_works(cluster)
         cluster.send(["a", "b", "c"], "exit")
     finally:
         coord.close()
@@ -176,13 +190,8 @@ def test_an_epoch_the_lost_coordinator_pushed_is_void(children):
     coord = Coordinator("127.0.0.1", port, token=TOKEN, min_nodes=3).start()
     cluster = mesh_nodes(children, coord.address, TOKEN)
     try:
-        for n in "abc":
-            cluster.start(n, coordinator_grace_s=60.0)
-        for n in "abc":
-            cluster.expect(n, "joined", timeout=120)
-        for n in "ab":
-            cluster.send(n, "note", outer_step=5, outer_hash="h5")
-            cluster.expect(n, "noted")
+        _start(cluster, "abc")
+        _note(cluster, [("a", 5, "h5"), ("b", 5, "h5")])
         cluster.send("c", "exit")  # its connection closes: epoch 2 is pushed to a and b
 
         def holds_epoch_2(n: str) -> bool:  # should_abort: a newer epoch waits to be installed
@@ -197,9 +206,7 @@ def test_an_epoch_the_lost_coordinator_pushed_is_void(children):
         after = {n: cluster.expect(n, "reinit", timeout=120) for n in "ab"}
         # installed only once the new coordinator re-formed (after waiting for c in vain)
         assert coord.status()["epoch"] == 2 and {a["epoch"] for a in after.values()} == {2}
-        cluster.send("a", "allreduce", value=1.0)
-        cluster.send("b", "allreduce", value=3.0)
-        assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+        _group_works(cluster)
         cluster.send(["a", "b"], "exit")
     finally:
         coord.close()
@@ -213,12 +220,8 @@ def test_a_vote_after_the_loss_reconnects_and_is_not_committed(children):
     coord = Coordinator("127.0.0.1", port, token=TOKEN, min_nodes=2).start()
     cluster = mesh_nodes(children, coord.address, TOKEN)
     try:
-        for n in "ab":
-            cluster.start(n, coordinator_grace_s=60.0)
-        for n in "ab":
-            cluster.expect(n, "joined", timeout=120)
-            cluster.send(n, "note", outer_step=3, outer_hash="h3")
-            cluster.expect(n, "noted")
+        _start(cluster, "ab")
+        _note(cluster, [("a", 3, "h3"), ("b", 3, "h3")])
         coord.close()
 
         def noticed(n: str) -> bool:  # its heartbeats found the coordinator gone
@@ -234,9 +237,7 @@ def test_a_vote_after_the_loss_reconnects_and_is_not_committed(children):
         assert coord.status()["epoch"] == 2
         cluster.send(["a", "b"], "reinit")  # the next sync point builds the group afresh
         assert {cluster.expect(n, "reinit")["epoch"] for n in "ab"} == {2}
-        cluster.send("a", "allreduce", value=1.0)
-        cluster.send("b", "allreduce", value=3.0)
-        assert [cluster.expect(n, "ok")["mean"] for n in "ab"] == [2.0, 2.0]
+        _group_works(cluster)
         cluster.send(["a", "b"], "exit")
     finally:
         coord.close()

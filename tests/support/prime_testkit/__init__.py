@@ -5,6 +5,7 @@
   `free_port`, `wait_until` (every wait bounded), `die_with_parent`.
 - `Nodes`: named node processes driven through command and report queues, for tests that
   kill or stop their processes.
+- `cli_node`: the command and environment of one `prime-train` node in its own folder.
 - `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
 - `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`).
 - `RankPool` (and the session-scoped `rank_pool` fixture): four rank processes in one gloo
@@ -14,6 +15,7 @@
 from typing import Any
 
 from prime_testkit.children import Children, die_with_parent, free_port, load_target, wait_until
+from prime_testkit.cli_node import cli_node
 from prime_testkit.nodes import Nodes
 
 # These import torch: loaded on first use, so that plain child processes stay light.
@@ -46,6 +48,7 @@ __all__ = [
     "RankContext",
     "RankPool",
     "case_spec",
+    "cli_node",
     "die_with_parent",
     "free_port",
     "gloo_group",
