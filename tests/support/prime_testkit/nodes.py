@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import queue
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,20 +21,23 @@ from prime_testkit.children import Children
 
 
 class Nodes:
-    """N node processes of one `target`, each with its command queue, and one report queue."""
+    """N node processes of one `target`, each with its own command and report queues.
+
+    A report queue per node, not one shared: a queue's writers share a lock, and a node
+    SIGKILLed while its queue thread held it would silence every other node."""
 
     def __init__(self, children: Children, target: Callable[..., Any], *args: Any) -> None:
         self.children, self.target, self.args = children, target, args
-        self.out = children.queue()
         self.cmds: dict[str, Any] = {}
+        self.reports: dict[str, Any] = {}
         self.procs: dict[str, Any] = {}
-        self._pending: list[tuple[str, str, dict]] = []
 
     def start(self, name: str, **kwargs: Any) -> None:
         """Start node `name`: target(name, *args, cmds, out, kwargs) in a spawned child."""
         self.cmds[name] = self.children.queue()
+        self.reports[name] = self.children.queue()
         self.procs[name] = self.children.process(
-            self.target, name, *self.args, self.cmds[name], self.out, kwargs
+            self.target, name, *self.args, self.cmds[name], self.reports[name], kwargs
         )
 
     def send(self, names: str | list[str], cmd: str, **arg: Any) -> None:
@@ -44,20 +46,12 @@ class Nodes:
             self.cmds[n].put((cmd, arg))
 
     def get(self, name: str, timeout: float = 60.0) -> tuple[str, dict]:
-        """Next report (kind, fields) from `name`; other nodes' reports are kept for later."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, (n, kind, kw) in enumerate(self._pending):
-                if n == name:
-                    del self._pending[i]
-                    return kind, kw
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no report from {name} within {timeout:.0f}s")
-            try:
-                self._pending.append(self.out.get(timeout=min(left, 1.0)))
-            except queue.Empty:
-                pass
+        """Next report (kind, fields) from `name`."""
+        try:
+            _, kind, kw = self.reports[name].get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no report from {name} within {timeout:.0f}s") from None
+        return kind, kw
 
     def expect(self, name: str, kind: str, timeout: float = 60.0) -> dict:
         """The next report from `name`, which must be of `kind`."""
