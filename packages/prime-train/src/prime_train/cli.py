@@ -19,7 +19,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from prime_train.config_load import ConfigError, describe_fields, load_config
+from prime_train.config_load import describe_fields, load_config
+from prime_train.errors import ConfigError
 
 
 def _fail(msg: str) -> int:

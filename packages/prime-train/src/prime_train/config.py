@@ -253,7 +253,7 @@ class Config(Section):
                 d[section].pop(key, None)
         d.pop("mesh")
         if self.model.init_from is not None:  # the weights, wherever the folder lives
-            from prime_train.hf_import import weights_digest
+            from prime_train.hf_layout import weights_digest
 
             d["model"]["init_from"] = "sha256:" + weights_digest(self.model.init_from)
         return d

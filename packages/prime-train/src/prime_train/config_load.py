@@ -17,13 +17,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from prime_train.config import SECRET_KEYS, SECTIONS, Config
+from prime_train.errors import ConfigError
 
 ENV_PREFIX = "PRIME_"
 TOKEN_ENV = "PRIME_TOKEN"
 
-
-class ConfigError(ValueError):
-    """A user mistake in the config; the message says what and how to fix it."""
+__all__ = ["ConfigError", "describe_fields", "load_config"]
 
 
 def _suggest(word: str, choices: Sequence[str]) -> str:

@@ -24,7 +24,7 @@ import torch
 
 from prime_train.checkpointing import checkpoint_dir
 from prime_train.config import Config
-from prime_train.config_load import ConfigError
+from prime_train.errors import ConfigError
 from prime_train.hf_import import run_model_args
 from prime_train.hf_layout import hf_config, hf_name, rotary_heads, to_hf_rows
 from prime_train.tokens import HFTokenizer, make_tokenizer

@@ -9,8 +9,6 @@ Hugging Face's rotate-half order to prime-train's interleaved pairs.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +17,7 @@ import torch
 from torch import nn
 
 from prime_train.config import Config
-from prime_train.config_load import ConfigError
+from prime_train.errors import ConfigError
 from prime_train.hf_layout import (
     HFFormatError,
     args_from_hf,
@@ -116,34 +114,6 @@ def weight_files(folder: Path) -> dict[str, Path]:
         with safe_open(str(f), framework="pt") as sf:
             out.update({name: f for name in sf.keys()})  # noqa: SIM118 (not a dict)
     return out
-
-
-@functools.lru_cache(maxsize=8)
-def _digest(folder: str, stamp: tuple) -> str:
-    h = hashlib.sha256()
-    for name, _, _ in stamp:
-        h.update(name.encode() + b"\0")
-        with open(Path(folder) / name, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    return h.hexdigest()[:32]
-
-
-def weights_digest(folder: str | Path) -> str:
-    """SHA-256 of config.json and the safetensors files: the run's identity for init_from
-    (moving the folder keeps it, changing a weight changes it)."""
-    folder = Path(folder)
-    read_hf_config(folder)  # a clear error for a folder that is not a model
-    names = ["config.json"] + sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
-    try:
-        stamp = tuple(
-            (n, (folder / n).stat().st_size, (folder / n).stat().st_mtime_ns) for n in names
-        )
-    except OSError as e:
-        raise HFFormatError(
-            f"model.init_from = {str(folder)!r}: {e.strerror}: {e.filename}"
-        ) from None
-    return _digest(str(folder.resolve()), stamp)
 
 
 def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:

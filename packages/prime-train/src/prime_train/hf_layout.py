@@ -8,6 +8,8 @@ once the rows of wq and wk are permuted within each head: `to_hf_rows` and its i
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from prime_train.config_load import ConfigError
+from prime_train.errors import ConfigError
 from prime_train.model import ModelArgs
 
 _LAYER_NAMES = {
@@ -109,6 +111,34 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         raise HFFormatError(f"{path} not found: give a Hugging Face model folder") from None
     except (OSError, json.JSONDecodeError) as e:
         raise HFFormatError(f"{path} is unreadable: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(folder: str, stamp: tuple) -> str:
+    h = hashlib.sha256()
+    for name, _, _ in stamp:
+        h.update(name.encode() + b"\0")
+        with open(Path(folder) / name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def weights_digest(folder: str | Path) -> str:
+    """SHA-256 of config.json and the safetensors files: the run's identity for init_from
+    (moving the folder keeps it, changing a weight changes it)."""
+    folder = Path(folder)
+    read_hf_config(folder)  # a clear error for a folder that is not a model
+    names = ["config.json"] + sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
+    try:
+        stamp = tuple(
+            (n, (folder / n).stat().st_size, (folder / n).stat().st_mtime_ns) for n in names
+        )
+    except OSError as e:
+        raise HFFormatError(
+            f"model.init_from = {str(folder)!r}: {e.strerror}: {e.filename}"
+        ) from None
+    return _digest(str(folder.resolve()), stamp)
 
 
 def _field(cfg: dict[str, Any], key: str, path: Path) -> Any:

@@ -82,10 +82,3 @@ class Metrics:
         if self._f is not None:
             self._f.close()
             self._f = None
-
-
-def plot_run(run_dir: Path, out: Path | None = None) -> Path:
-    """Draw every node's train and held-out loss in RUN_DIR into a PNG (see `plot.plot_runs`)."""
-    from prime_train.plot import plot_runs
-
-    return plot_runs([run_dir], out)

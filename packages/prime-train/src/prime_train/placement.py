@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from prime_train.checkpointing import checkpoint_dir
 from prime_train.config import Config
-from prime_train.config_load import ConfigError
 from prime_train.diloco.membership import Membership, count_live_members, uses_mesh
+from prime_train.errors import ConfigError
 from prime_train.metrics import Log
 
 NODE_ENV = "PRIME_LOCAL_NODE"  # set by the local launcher: this process is simulated node k

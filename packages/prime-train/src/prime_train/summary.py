@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from prime_train.files import write_atomic
-from prime_train.metrics import plot_run, read_metrics
+from prime_train.metrics import read_metrics
+from prime_train.plot import plot_runs
 from prime_train.run import Run
 from prime_train.seam import OuterStep
 
@@ -60,7 +61,7 @@ def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
     plot = None
     if run.metrics.path is not None and records:
         run.metrics.close()
-        plot = str(plot_run(run.run_dir))
+        plot = str(plot_runs([run.run_dir]))
     seconds = end.seconds
     summary = Summary(
         steps=end.step,

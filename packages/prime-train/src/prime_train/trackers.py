@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prime_train.config import Config
-from prime_train.config_load import ConfigError
+from prime_train.errors import ConfigError
 from prime_train.metrics import Log
 
 _SKIP = {"step", "time", "outer_sha256"}
