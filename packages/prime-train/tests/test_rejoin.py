@@ -9,9 +9,9 @@ from prime_mesh import CoordinatorLost, MeshError, MeshEvicted
 from prime_train.config import Config
 from prime_train.config_load import load_config
 from prime_train.diloco.rejoin import (
+    MEMBERSHIP_LOST,
     RejoinsExhausted,
     check_rejoin_allowed,
-    membership_lost,
     rejoin_running_job,
 )
 
@@ -42,7 +42,7 @@ def test_default_bound_and_it_is_machine_local():
 
 
 def test_the_losses_that_trigger_a_rejoin():
-    assert set(membership_lost()) == {MeshEvicted, CoordinatorLost}
+    assert set(MEMBERSHIP_LOST) == {MeshEvicted, CoordinatorLost}
 
 
 @pytest.mark.parametrize("allowed", [0, 2])

@@ -9,6 +9,7 @@ import torch
 from prime_train.config import OptimConfig
 from prime_train.metrics import read_metrics
 from prime_train.optim import lr_at
+from prime_train.seam import OuterStep
 from prime_train.trainer import train
 
 
@@ -100,11 +101,21 @@ def test_compile_trains(tiny):
 
 
 class CountingOuter:
-    """Stands in for DiLoCo's outer step: records the steps it runs at, checkpoints a count."""
+    """Stands in for DiLoCo's outer step: records the steps it runs at, checkpoints a count.
+    It implements every member of `prime_train.seam.OuterStep`, as a custom outer step must."""
 
-    def __init__(self):
-        self.calls, self.finished = [], 0
+    overlapped = False
+
+    def __init__(self, every):
+        self.every = every
+        self.calls, self.finished, self.closed = [], 0, 0
         self.count = torch.zeros(1)
+
+    def is_boundary(self, step):
+        return step % self.every == 0
+
+    def close(self):
+        self.closed += 1
 
     def start(self, step):
         self.calls.append(step)
@@ -140,13 +151,14 @@ def test_outer_step_seam_runs_every_h_steps_and_is_checkpointed(tiny):
         "--eval.every",
         "0",
     )
-    outer = CountingOuter()
+    outer = CountingOuter(every=4)
+    assert isinstance(outer, OuterStep)
     summary = train(cfg, outer=outer)
-    assert outer.calls == [4, 8, 12] and outer.finished == 3
+    assert outer.calls == [4, 8, 12] and outer.finished == 3 and outer.closed == 1
     assert summary.diloco == {"outer_steps": 3}
     metrics = (cfg.run_dir / "metrics.jsonl").read_text()
     summary = (cfg.run_dir / "summary.json").read_text()
-    again = CountingOuter()
+    again = CountingOuter(every=4)
     train(cfg, outer=again)  # complete: loads the step-12 checkpoint, trains nothing
     assert again.finished == 0
     assert again.calls == [4, 8, 12] and int(again.count) == 3  # its state came back

@@ -79,14 +79,6 @@ def launch_local_nodes(
     stop_requests = 0
     ranks: list[RankProcess] = []
 
-    def signal_all(sig: int, which: Sequence[RankProcess]) -> None:
-        for r in which:
-            if r.proc.poll() is None:
-                try:
-                    os.killpg(r.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-
     def on_signal(signum, frame):  # frame is None when a node's error, not Ctrl-C, stops the run
         nonlocal stop_requests
         stop_requests += 1
@@ -97,7 +89,7 @@ def launch_local_nodes(
                 file=sys.stderr,
                 flush=True,
             )
-        signal_all(signal.SIGINT if stop_requests == 1 else signal.SIGKILL, ranks)
+        _signal_all(signal.SIGINT if stop_requests == 1 else signal.SIGKILL, ranks)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     pumps: list[threading.Thread] = []
@@ -113,43 +105,10 @@ def launch_local_nodes(
                 flush=True,
             )
             for k in range(nodes):
-                node_env = {
-                    **os.environ,
-                    **(extra_env or {}),
-                    NODE_ENV: str(k),
-                    "PRIME_TOKEN": token,
-                    "PRIME_MESH__COORDINATOR": address,
-                    "PRIME_MESH__HOST": "127.0.0.1",
-                    "OMP_NUM_THREADS": str(threads),
-                    "PYTHONUNBUFFERED": "1",
-                }
-                if ranks_per_node > 1:  # the node's own torch.distributed world, as torchrun sets
-                    node_env.update(
-                        MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(_free_port()),
-                        WORLD_SIZE=str(ranks_per_node),
-                        LOCAL_WORLD_SIZE=str(ranks_per_node),
-                    )
-                node_ranks = []
-                for r in range(ranks_per_node):
-                    env = dict(node_env)
-                    if ranks_per_node > 1:
-                        env.update(RANK=str(r), LOCAL_RANK=str(r))
-                    p = subprocess.Popen(
-                        [sys.executable, "-m", "prime_train.cli", *node_argv],
-                        env=env,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        preexec_fn=die_with_parent,
-                    )
-                    node_ranks.append(RankProcess(k, r, p))
-                    prefix = f"[node {k}] " if ranks_per_node == 1 else f"[node {k} rank {r}] "
-                    t = threading.Thread(
-                        target=_pump, args=(p.stdout, prefix, sys.stdout, errors), daemon=True
-                    )
-                    t.start()
-                    pumps.append(t)
+                env = _node_env(k, address, token, threads, ranks_per_node, extra_env)
+                node_ranks = [_start_rank(node_argv, env, k, r, ranks_per_node)
+                              for r in range(ranks_per_node)]  # fmt: skip
+                pumps += [_pump_output(r, ranks_per_node, errors) for r in node_ranks]
                 ranks.extend(node_ranks)
                 # one registration at a time: node k gets rank k, so reruns sum in the same order
                 _wait_registered(coord, k + 1, [r.proc for r in node_ranks])
@@ -158,7 +117,7 @@ def launch_local_nodes(
                 lambda: stop_requests > 0,
                 grace,
                 on_user_error=on_signal,
-                end_node=lambda k: signal_all(signal.SIGKILL, [r for r in ranks if r.node == k]),
+                end_node=lambda k: _signal_all(signal.SIGKILL, [r for r in ranks if r.node == k]),
             )
     finally:
         for s, h in old.items():
@@ -169,7 +128,81 @@ def launch_local_nodes(
                 r.proc.wait(timeout=10)
         for t in pumps:
             t.join(timeout=5)
-    if 2 in codes.values():  # a mistake in the config or data: say it once, like one node would
+    return _exit_code(codes, errors)
+
+
+def _signal_all(sig: int, which: Sequence[RankProcess]) -> None:
+    """Send `sig` to the process groups of the ranks in `which` still running."""
+    for r in which:
+        if r.proc.poll() is None:
+            try:
+                os.killpg(r.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _pump_output(r: RankProcess, ranks_per_node: int, errors: list[str]) -> threading.Thread:
+    """A thread copying rank r's output to ours, each line prefixed with who speaks."""
+    prefix = f"[node {r.node}] " if ranks_per_node == 1 else f"[node {r.node} rank {r.rank}] "
+    t = threading.Thread(
+        target=_pump, args=(r.proc.stdout, prefix, sys.stdout, errors), daemon=True
+    )
+    t.start()
+    return t
+
+
+def _node_env(
+    k: int,
+    address: str,
+    token: str,
+    threads: int,
+    ranks_per_node: int,
+    extra_env: dict[str, str] | None,
+) -> dict[str, str]:
+    """Simulated node k's environment: the mesh's address and secret, its index, its threads,
+    and, with several ranks, its own torch.distributed world as torchrun sets it."""
+    env = {
+        **os.environ,
+        **(extra_env or {}),
+        NODE_ENV: str(k),
+        "PRIME_TOKEN": token,
+        "PRIME_MESH__COORDINATOR": address,
+        "PRIME_MESH__HOST": "127.0.0.1",
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if ranks_per_node > 1:
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+            WORLD_SIZE=str(ranks_per_node),
+            LOCAL_WORLD_SIZE=str(ranks_per_node),
+        )
+    return env
+
+
+def _start_rank(
+    node_argv: Sequence[str], node_env: dict[str, str], k: int, r: int, ranks_per_node: int
+) -> RankProcess:
+    """Start local rank r of node k (`python -m prime_train.cli`), its output piped."""
+    env = dict(node_env)
+    if ranks_per_node > 1:
+        env.update(RANK=str(r), LOCAL_RANK=str(r))
+    p = subprocess.Popen(
+        [sys.executable, "-m", "prime_train.cli", *node_argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
+    return RankProcess(k, r, p)
+
+
+def _exit_code(codes: dict[str, int], errors: list[str]) -> int:
+    """0 if every process exited 0; 2 (the config or data error said once, as one node would)
+    if any exited 2; else 1, naming the processes that failed."""
+    if 2 in codes.values():
         for line in dict.fromkeys(errors):
             print(line, file=sys.stderr, flush=True)
         return 2

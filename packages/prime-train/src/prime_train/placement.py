@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from prime_train.checkpointing import checkpoint_dir
 from prime_train.config import Config
-from prime_train.diloco.membership import Membership, count_live_members, uses_mesh
+from prime_train.diloco.membership import Membership, register, uses_mesh
 from prime_train.errors import ConfigError
 from prime_train.metrics import Log
 
@@ -135,18 +135,12 @@ def init_placement(cfg: Config) -> Placement:
         membership = None
         if uses_mesh(cfg):
             early = Log(f"[node {local if local is not None else '?'}]", primary=True)
-            live = [None]
-            if dist.get_world_size() > 1:  # the node's ranks decide alike: rank 0 asks
-                if device_mesh.get_local_rank() == 0:
-                    token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
-                    live = [count_live_members(cfg.mesh.coordinator, token)]
-                dist.broadcast_object_list(live, src=0, group=device_mesh.get_group())
-            membership = Membership.join(
+            membership = register(
                 cfg,
                 ckpt_dir,
-                serve=device_mesh.get_local_rank() == 0,
+                device_mesh.get_group() if dist.get_world_size() > 1 else None,
+                primary=device_mesh.get_local_rank() == 0,
                 warn=early.warn,
-                live_members=live[0],
             )
             mesh = membership.mesh
             if membership.joining:  # not admitted yet: its rank comes later

@@ -7,7 +7,6 @@ is saved beside the model's and it decides where the nodes resume.
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any
 
@@ -73,7 +72,6 @@ class Run:
         )
         self.tokens_per_step = B * cfg.data.seq_len * placement.world_size
         self.progress: dict[str, Any] = {"step": 0, "tokens": 0}
-        self.joined: dict[str, Any] | None = None  # what a joiner fetched (see resume)
 
         self.metrics = Metrics(
             self.run_dir / f"metrics{node.suffix}.jsonl" if self.primary else None
@@ -165,18 +163,30 @@ class Run:
 
     def resume(self, outer: OuterStep | None) -> int:
         """Load the newest checkpoint in place; returns its step (0 for a fresh run). With an
-        outer step, the step is the one it agrees on (the newest that every node holds)."""
+        outer step, the step is the one it agrees on (the newest that every node holds). A
+        node joining a running job loads the members' state instead (`diloco/join.py`)."""
         state = self.state(outer)
-        membership = self.placement.membership
         if outer is None:
             step = self.ckpt.load_latest(state)
-        elif membership is not None and membership.joining:
-            step = self._fetch_and_load(outer, state)
         else:
             step = outer.agree_resume_step(self.ckpt.committed_steps())
             if step is not None:
                 self.ckpt.load(step, state)
                 outer.load_state_dict(state["diloco"])
+        self._restore(step, state)
+        return step or 0
+
+    def load(self, step: int, outer: OuterStep) -> None:
+        """Load this node's checkpoint of `step` in place (a joiner's, fetched from a member)
+        and continue from there."""
+        state = self.state(outer)
+        self.ckpt.load(step, state)
+        outer.load_state_dict(state["diloco"])
+        self._restore(step, state)
+
+    def _restore(self, step: int | None, state: dict[str, Any]) -> None:
+        """Take the loop's position from a loaded `state` (None: a fresh start), dropping any
+        newer checkpoints of this node."""
         stale = self.ckpt.discard_after(step or 0)
         if stale:
             self.log.info(
@@ -184,39 +194,10 @@ class Run:
                 f"run resumes from ({step or 0}): it makes them again"
             )
         if step is None:
-            return 0
+            return
         self.loader.load_state_dict(state["data"])
         self.progress.update(state["progress"])
         checkpointing.restore_rng(state)
-        return step
-
-    def _fetch_and_load(self, outer: OuterStep, state: dict[str, Any]) -> int:
-        """A node joining a running job: fetch a member's newest checkpoint into this node's
-        folder and load it (see `prime_train.diloco.join`); every local rank then says
-        `ready()`. Returns the loaded step; `self.joined` says what was fetched."""
-        from prime_train.diloco.join import fetch_members_state
-
-        membership = self.placement.membership
-        got: list[Any] = [None]
-        if self.primary:
-            got[0] = fetch_members_state(membership, self.ckpt_dir, self.log)
-        if self.placement.world_size > 1:
-            dist.broadcast_object_list(got, src=0, group=self.placement.group)
-        info = got[0]
-        t = time.monotonic()
-        self.ckpt.load(info["step"], state)
-        outer.load_state_dict(state["diloco"])
-        info["load_seconds"] = time.monotonic() - t
-        membership.mesh.ready()
-        self.joined = info
-        mbps = info["bytes"] / 1e6 / info["seconds"] if info["seconds"] else float("inf")
-        self.log.info(
-            f"fetched the step-{info['step']} checkpoint from {info['donor']}: "
-            f"{info['bytes'] / 1e6:.2f} MB in {info['seconds']:.2f} s ({mbps:.1f} MB/s), "
-            f"loaded in {info['load_seconds']:.2f} s; ready, admitted at the members' next "
-            "outer step"
-        )
-        return int(info["step"])
 
     def close(self) -> None:
         self.metrics.close()

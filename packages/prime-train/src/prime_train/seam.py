@@ -1,25 +1,60 @@
-"""The trainer's one seam: the outer step taken every `diloco.inner_steps` inner steps.
+"""The trainer's seam: the outer step taken at each outer boundary, and what a mesh node adds.
 
-`prime_train.diloco.Diloco` implements it over the elastic mesh; `train(cfg, outer=X)` accepts
-any object that does. What `train()` is given as `outer` is also what gets checkpointed and
+`OuterStep` is everything the loop asks of an outer step; `ElasticOuterStep` adds what a node
+of an elastic mesh needs to join, rejoin and outlive its coordinator.
+`prime_train.diloco.Diloco` implements both. `train(cfg, outer=X)` accepts any object that
+implements `OuterStep` (all of its members: a plain synchronous step sets `overlapped = False`
+and has an empty `close`); in a multi-node run (`mesh.coordinator` set) it must implement
+`ElasticOuterStep` too. What `train()` is given as `outer` is also what gets checkpointed and
 what decides where the run resumes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from prime_mesh import ElasticDeviceMesh
 
 
+@dataclass
+class OuterStepReport:
+    """What one applied outer step cost and who took part."""
+
+    step: int  # the inner step it followed
+    outer_step: int  # applied outer steps so far in the run, this one included
+    attempts: int
+    seconds: float
+    allreduce_seconds: float
+    bytes_sent: int
+    nodes: int
+    epoch: int
+    outer_sha256: str
+    contributors: int = 0  # nodes whose pseudo-gradients were averaged (a joiner's is not)
+    compute_seconds: float = 0.0  # inner compute of the round that ended with this report
+    round_seconds: float = 0.0  # its wall time (from the previous outer step's end)
+
+
+@runtime_checkable
 class OuterStep(Protocol):
-    """With `overlapped = True` (optional attribute, default False) `start` returns with the
-    step's communication in flight and the loop goes on training; the next `start` completes
-    it first, and the loop calls `finish` only after the last step's `start`."""
+    """The outer step, taken at every outer boundary the step itself defines.
+
+    With `overlapped = True`, `start` returns with the step's communication in flight and the
+    loop goes on training; the next `start` completes it first, and the loop calls `finish`
+    only after the last step's `start`."""
+
+    overlapped: bool
+
+    def is_boundary(self, step: int) -> bool:
+        """Whether inner step `step` ends a round (the loop also ends one at its last step)."""
 
     def start(self, step: int) -> None:
         """Begin the outer step that follows inner step `step` (the model holds its weights)."""
 
-    def finish(self) -> Any:
-        """Complete the step begun by `start`; the model then holds the new weights."""
+    def finish(self) -> OuterStepReport | None:
+        """Complete the step begun by `start`; the model then holds the new weights. Returns
+        the applied step's report (None: nothing applied, or the step keeps no reports)."""
 
     def add_compute_time(self, seconds: float) -> None:
         """The loop reports each inner step's duration (for compute utilisation)."""
@@ -35,3 +70,30 @@ class OuterStep(Protocol):
 
     def summary(self) -> dict[str, Any] | None:
         """Totals and settings for the run's summary (None: nothing to add)."""
+
+    def close(self) -> None:
+        """On the way out, whatever happened: end any communication still in flight."""
+
+
+@runtime_checkable
+class ElasticOuterStep(OuterStep, Protocol):
+    """An outer step over an elastic mesh: what joining, rejoining and a lost coordinator need
+    (see `prime_train.diloco.join`, `.rejoin` and `.boundary`)."""
+
+    def round_end(self, step: int) -> int:
+        """The inner step that ends the round running after inner step `step`: where a joiner
+        that loaded the state of `step` is admitted."""
+
+    def enter(self, step: int) -> OuterStepReport | None:
+        """A joiner's first round, ending at inner step `step`: it contributes nothing (its
+        model is the outer weights it loaded) and applies the members' averaged update.
+        Raises `JoinedLate` if it was admitted after a later round than the state it loaded."""
+
+    def joiners_waiting(self) -> bool:
+        """Whether a node waits to join (it needs the state of the round that starts now)."""
+
+    def reattach(self, mesh: ElasticDeviceMesh) -> None:
+        """Use `mesh`, a new registration of this node after it lost its membership."""
+
+    def rollback_to_outer(self) -> None:
+        """Put the model back to the outer weights of the last committed outer step."""

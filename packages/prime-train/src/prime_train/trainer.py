@@ -2,7 +2,9 @@
 
 Start reading here. `train()` sets up in one direction - config -> placement (device, node
 group, mesh membership, the node's identity) -> run (model, data, checkpoints) -> outer step
-(DiLoCo, for a multi-node run) - and `train_loop(run, outer)` is the loop.
+(DiLoCo, for a multi-node run) - and `train_loop(run, outer)` is the loop. What happens at an
+outer boundary (the outer step, a lost membership) is `outer_boundary.OuterBoundary`; how a
+node joins a running job is `diloco/join.py`.
 """
 
 from __future__ import annotations
@@ -15,19 +17,14 @@ import torch
 
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
-from prime_train.diloco.committed import LastCommitted
-from prime_train.diloco.rejoin import (
-    can_rejoin,
-    membership_lost,
-    rejoin_running_job,
-    rejoins_after,
-)
+from prime_train.diloco.join import enter_running_job, load_members_state
 from prime_train.metrics import Log
 from prime_train.optim import lr_at
+from prime_train.outer_boundary import OuterBoundary
 from prime_train.placement import Placement, init_placement
 from prime_train.reporting import attach_reporting
 from prime_train.run import Run
-from prime_train.seam import OuterStep
+from prime_train.seam import ElasticOuterStep, OuterStep
 from prime_train.stop import StopSignal
 from prime_train.summary import LoopEnd, Summary, finish
 
@@ -91,18 +88,25 @@ def train(
 
     `placement` defaults to this process alone (or torchrun's group). With `mesh.coordinator`
     set (the local launcher sets it for each node), the node joins the run's mesh and, unless
-    another `outer` step is given, takes a DiLoCo outer step every `diloco.inner_steps` steps."""
+    another `outer` step is given (it must then implement `prime_train.seam.ElasticOuterStep`),
+    takes a DiLoCo outer step every `diloco.inner_steps` steps."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     placement = placement or init_placement(cfg)
     log = log or Log(placement.prefix, primary=placement.rank == 0)
-    if placement.membership is not None and placement.membership.joining:
-        log.info(
-            f"registered with the running job as {placement.membership.mesh.node_id} "
-            f"({placement.membership.members_seen} member(s)): waiting, fetching their state"
+    membership = placement.membership
+    if membership is not None and outer is not None and not isinstance(outer, ElasticOuterStep):
+        raise TypeError(
+            f"outer={type(outer).__name__} in a multi-node run must implement "
+            "prime_train.seam.ElasticOuterStep (see its docstring)"
         )
-    elif placement.membership is not None:
-        mesh = placement.membership.mesh
+    if membership is not None and membership.joining:
+        log.info(
+            f"registered with the running job as {membership.mesh.node_id} "
+            f"({membership.members_seen} member(s)): waiting, fetching their state"
+        )
+    elif membership is not None:
+        mesh = membership.mesh
         log.info(
             f"joined the mesh as {mesh.node_id}: epoch {mesh.epoch}, "
             f"rank {mesh.global_rank} of {mesh.global_world_size} nodes"
@@ -110,11 +114,10 @@ def train(
     run: Run | None = None
     try:
         run = Run(cfg, placement, log)
-        mesh = placement.membership.mesh if placement.membership is not None else None
-        if outer is None and mesh is not None:
+        if outer is None and membership is not None:
             outer = make_outer_step(
                 cfg.diloco,
-                mesh,
+                membership.mesh,
                 run.params,
                 metrics=run.metrics,
                 log=log,
@@ -123,141 +126,76 @@ def train(
         attach_reporting(cfg, run)
         return train_loop(run, outer)
     finally:
-        close = getattr(outer, "close", None)
-        if close is not None:  # an overlapped outer step may still have a round in flight
-            close()
+        if outer is not None:  # an overlapped outer step may still have a round in flight
+            outer.close()
         if run is not None:
             run.close()
         placement.close()
 
 
-def enter_running_job(run: Run, outer: OuterStep, loaded: int) -> int:
-    """A joiner's entry outer step, right after it loaded the members' checkpoint of step
-    `loaded` and said ready: admitted at the members' sync point that ends the round they
-    started from that checkpoint, it contributes a zero pseudo-gradient (its model is the
-    outer weights) and applies the same averaged update. Returns the step it continues from."""
-    step = min(loaded + run.cfg.diloco.inner_steps, run.cfg.train.steps)
-    outer.contributing = False  # type: ignore[attr-defined]
-    try:
-        outer.start(step)
-        report = outer.finish()
-    finally:
-        outer.contributing = True  # type: ignore[attr-defined]
-    info = run.joined or {}
-    run.log.info(
-        ("re" if "rejoined" in info else "")
-        + f"entered the running job at outer step {getattr(report, 'outer_step', '?')} "
-        f"(step {step}), donor {info.get('donor')}: {info.get('bytes', 0) / 1e6:.2f} MB "
-        f"fetched in {info.get('seconds', 0.0):.2f} s"
-    )
-    run.metrics.write(
-        {
-            "step": step,
-            "joined": True,
-            "donor": info.get("donor"),
-            "fetched_step": loaded,
-            "fetch_bytes": info.get("bytes"),
-            "fetch_seconds": info.get("seconds"),
-            "load_seconds": info.get("load_seconds"),
-            **({"rejoined": info["rejoined"]} if "rejoined" in info else {}),
-        }
-    )
-    run.progress["step"] = step
-    return step
-
-
-@contextlib.contextmanager
-def checkpoint_if_coordinator_gone(
-    run: Run, outer: OuterStep | None, committed: LastCommitted | None
-) -> Iterator[None]:
-    """Around the outer step and the checkpoint (a delayed outer step's round ends in either):
-    when the coordinator did not come back within the grace period, checkpoint the last
-    committed outer step and say how to resume (CoordinatorGone)."""
-    from prime_mesh import CoordinatorGone
-
-    try:
-        yield
-    except CoordinatorGone as e:
-        if committed is None:
-            raise
-        committed.checkpoint(run, outer)  # type: ignore[arg-type]
-        mesh = run.cfg.mesh
-        raise CoordinatorGone(
-            f"the coordinator at {mesh.coordinator} did not come back within "
-            f"mesh.coordinator_grace_s={mesh.coordinator_grace_s:g}s; checkpointed step "
-            f"{committed.step} (the last committed outer step; the inner steps since are "
-            "dropped). To resume from it, start the coordinator again and rerun the same "
-            "command on every node"
-        ) from e
-
-
-def train_loop(run: Run, outer: OuterStep | None) -> Summary:
-    """The loop: inner steps, the outer step every H steps, progress lines, evaluation,
-    checkpoints, and a clean stop on SIGINT/SIGTERM."""
+def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
+    """Where the loop starts: this node's own checkpoint that every node agrees on, or, for a
+    node joining a running job, the members' state and its first round with them (see
+    `diloco/join.py`). Returns the inner step the loop continues from, and the held-out loss
+    of a fresh run's step 0."""
     cfg, log = run.cfg, run.log
-    total = cfg.train.steps
-    start = run.resume(outer)
+    membership = run.placement.membership
+    record = None
+    if membership is not None and membership.joining and isinstance(outer, ElasticOuterStep):
+        record = load_members_state(run, outer)
+        start = record.step
+    else:
+        start = run.resume(outer)
     if start:
         log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
-    if start >= total:
-        log.info(f"the run is already complete ({start}/{total} steps); nothing to do")
+    if start >= cfg.train.steps:
+        log.info(f"the run is already complete ({start}/{cfg.train.steps} steps); nothing to do")
     run.metrics.open(start)
     # (a joiner that fetched the final checkpoint has nothing to enter: the members finished,
     # and their next sync point, where it would be admitted, never comes)
-    if run.joined is not None and outer is not None and start < total:
-        start = enter_running_job(run, outer, start)
-    eval_loss: float | None = None
+    if record is not None and isinstance(outer, ElasticOuterStep) and start < cfg.train.steps:
+        start = enter_running_job(run, outer, record)
+    eval_loss = None
     if start == 0:
         eval_loss = run.evaluate_and_record(0)
         if cfg.model.init_from is not None:  # the starting weights, exportable as step 0
             run.checkpoint(0, outer)
+    return start, eval_loss
 
+
+def train_loop(run: Run, outer: OuterStep | None) -> Summary:
+    """The loop: inner steps, the outer step at every outer boundary, progress lines,
+    evaluation, checkpoints, and a clean stop on SIGINT/SIGTERM."""
+    cfg, log, total = run.cfg, run.log, run.cfg.train.steps
+    start, eval_loss = begin(run, outer)
+    step = start
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
-    # an overlapped outer step returns from start() with its all-reduce in flight
-    overlapped = bool(getattr(outer, "overlapped", False))
-    # what to checkpoint should the coordinator not come back
-    committed = LastCommitted(run, start) if outer is not None else None
-    step, rejoins = start, 0
-    rejoinable = can_rejoin(run, outer)
-    lost = membership_lost()
+    boundary = OuterBoundary(run, outer, start) if outer is not None else None
     with StopSignal() as stop:
         while step < total:
             step += 1
             t = time.perf_counter()
             meter.add(run.inner_step(step))
-            if outer is not None:
-                outer.add_compute_time(time.perf_counter() - t)
-
-            # DiLoCo: every H inner steps, one outer step syncs the node replicas
-            at_outer_boundary = step % cfg.diloco.inner_steps == 0 or step == total
-            if outer is not None and at_outer_boundary:
-                try:
-                    with checkpoint_if_coordinator_gone(run, outer, committed):
-                        outer.start(step)
-                        if not overlapped or step == total:  # the final model: outer weights
-                            outer.finish()
-                except lost as e:  # evicted (cut link, stall): rejoin the others by itself
-                    if not rejoinable or not rejoins_after(e):
-                        raise
-                    rejoins += 1
-                    step = rejoin_running_job(run, outer, e, rejoins)  # type: ignore[arg-type]
-                if committed is not None:
-                    committed.take(run, step)
-
+            # with an outer step, checkpoints and stops wait for a boundary (synced weights)
+            at_boundary = boundary is None or boundary.due(step)
+            if boundary is not None:
+                boundary.outer.add_compute_time(time.perf_counter() - t)
+                if at_boundary:
+                    step = boundary.sync(step)
             if step % cfg.run.log_every == 0 or step == total:
                 meter.report(step)
-            # with DiLoCo a stop waits for the next outer step, so checkpoints hold synced weights
-            stopping = stop.agreed(run.placement) and (outer is None or at_outer_boundary)
-            checkpoint_due = run.ckpt.due(step) and (outer is None or at_outer_boundary)
-            if outer is not None and at_outer_boundary and not checkpoint_due:
-                # a node waiting to join fetches the state of the round that starts now
-                checkpoint_due = bool(getattr(outer, "joiners_waiting", lambda: False)())
+            stopping = stop.agreed(run.placement) and at_boundary
+            checkpoint_due = at_boundary and (
+                run.ckpt.due(step) or (boundary is not None and boundary.joiners_waiting())
+            )  # a node waiting to join fetches the state of the round that starts now
             with meter.paused():  # evaluation and checkpoints are not training time
                 if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
                     eval_loss = run.evaluate_and_record(step)
                 if stopping or step == total or checkpoint_due:
-                    with checkpoint_if_coordinator_gone(run, outer, committed):
-                        run.checkpoint(step, outer)
+                    if boundary is not None:
+                        boundary.checkpoint(step)
+                    else:
+                        run.checkpoint(step, None)
             if stopping:
                 log.info(
                     f"{stop.signal} received: stopped after step {step} and checkpointed; "

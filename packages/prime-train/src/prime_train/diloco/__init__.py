@@ -7,8 +7,9 @@ from prime_train.config import DilocoConfig
 from prime_train.diloco.delayed import DelayedDiloco
 from prime_train.diloco.membership import Membership, uses_mesh
 from prime_train.diloco.outer_optimizer import OuterOptimizer, local_tensor
-from prime_train.diloco.outer_step import Diloco, OuterStepFailed, OuterStepReport
+from prime_train.diloco.outer_step import Diloco, JoinedLate, OuterStepFailed
 from prime_train.diloco.resume_agreement import NoCommonCheckpoint
+from prime_train.seam import OuterStepReport
 
 
 def make_outer_step(cfg: DilocoConfig, *args, **kwargs) -> Diloco:
@@ -19,6 +20,7 @@ def make_outer_step(cfg: DilocoConfig, *args, **kwargs) -> Diloco:
 __all__ = [
     "DelayedDiloco",
     "Diloco",
+    "JoinedLate",
     "Membership",
     "NoCommonCheckpoint",
     "OuterOptimizer",

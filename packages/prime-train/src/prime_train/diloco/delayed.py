@@ -28,7 +28,6 @@ gives back its own contribution) and the next round's sync point re-forms the gr
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -36,14 +35,14 @@ from typing import Any
 import torch
 
 import prime_comm
-from prime_train.diloco.outer_step import Diloco
-
-# Fault hook for tests: every background round waits this long between its sync point and
-# its all-reduce, so that a test can kill or stop a node while a round is in flight.
-_HOLD_S = float(os.environ.get("PRIME_TRAIN_FAULT_HOLD_ROUND_S", "0") or 0)
+from prime_train import faults
+from prime_train.diloco.average import average_pseudo_gradient
+from prime_train.diloco.outer_step import Diloco, JoinedLate
+from prime_train.seam import OuterStepReport
 
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
-             "bytes_sent": 0, "nodes": 0, "epoch": 0, "error": ""}  # fmt: skip
+             "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
+             "late": ""}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -66,6 +65,15 @@ class DelayedDiloco(Diloco):
     def start(self, step: int) -> None:
         """End of a round: apply the previous round's update, rebase the replica on it, and
         start this round's all-reduce in the background."""
+        self._start(step, contributing=True)
+
+    def enter(self, step: int) -> OuterStepReport | None:
+        """A joiner's first round (see the seam): its zero pseudo-gradient's round, settled at
+        once. JoinedLate if it was admitted after a later round than the state it loaded."""
+        self._start(step, contributing=False)
+        return self.finish()
+
+    def _start(self, step: int, contributing: bool) -> None:
         opt = self.optimizer
         self._last_step = step
         waited = self._wait()
@@ -75,45 +83,56 @@ class DelayedDiloco(Diloco):
             torch.sub(opt.weights, self.round_start, out=self.round_start)
             opt.shift_model(self.round_start)
         else:  # the first round (or the first after a settle): no update to apply yet
-            self._end_round()
+            self.rounds.end_round()
         opt.compute_pseudo_gradient()  # P = O' - θ
         opt.copy_model_into(self.round_start)  # X = θ
         self._round = dict(_NO_ROUND, state="running", step=step)
         self._rounds += 1
         self._thread = threading.Thread(
             target=self._background_round,
-            args=(self._round,),
+            args=(self._round, contributing),
             name=f"prime-outer-{self._rounds}",
             daemon=True,
         )
         self._thread.start()
 
-    def finish(self) -> None:
+    def finish(self) -> OuterStepReport | None:
         """Settle: wait for the round in flight, apply it, and load the outer weights."""
         waited = self._wait()
+        report = None
         if self._round["state"] != "none":
-            self._apply_round(self._last_step, waited)
+            report = self._apply_round(self._last_step, waited)
         self.optimizer.load_into_model()
         self.round_start.copy_(self.optimizer.weights)
+        return report
 
-    def _background_round(self, rnd: dict[str, Any]) -> None:
+    def _background_round(self, rnd: dict[str, Any], contributing: bool) -> None:
         """One attempt, in the background thread: sync point, all-reduce, vote."""
         mesh, t0 = self.mesh, time.monotonic()
         try:
             regrouped = mesh.maybe_reinit_global_pg()
-            if _HOLD_S:  # fault hook for tests: keep the round in flight a while
-                self._info(f"holding the outer round of step {rnd['step']} for {_HOLD_S:g} s")
-                time.sleep(_HOLD_S)
-            stats, error = self._average(regrouped=regrouped)
-            committed = mesh.should_commit(error is None)
+            faults.hold_outer_round(rnd["step"], self.log)
+            got = average_pseudo_gradient(
+                mesh,
+                self.optimizer.pseudo_gradient,
+                self.cfg.compression,
+                self.rounds.outer_steps,
+                contributing=contributing,
+                regrouped=regrouped,
+            )
+            if got.mismatch and contributing:
+                self._warn("a node entered with another outer step count; it leaves")
+            committed = mesh.should_commit(got.error is None)
             rnd.update(
                 state="committed" if committed else "dropped",
                 seconds=time.monotonic() - t0,
-                allreduce_seconds=stats.seconds if stats else 0.0,
-                bytes_sent=stats.bytes_sent if stats else 0,
+                allreduce_seconds=got.stats.seconds if got.stats else 0.0,
+                bytes_sent=got.stats.bytes_sent if got.stats else 0,
                 nodes=mesh.global_world_size,
                 epoch=mesh.epoch,
-                error="" if committed else (error or "a peer failed"),
+                contributors=got.contributors,
+                error="" if committed else (got.error or "a peer failed"),
+                late=got.late or "",
             )
         except BaseException as e:  # the mesh is gone (coordinator lost, closed): re-raised
             self._fatal = e
@@ -131,7 +150,7 @@ class DelayedDiloco(Diloco):
             raise fatal  # as the synchronous step would (the CLI reports MeshError in one line)
         return time.monotonic() - t
 
-    def _apply_round(self, step: int, waited: float) -> None:
+    def _apply_round(self, step: int, waited: float) -> OuterStepReport | None:
         """Apply the finished round's averaged pseudo-gradient to the outer weights (or drop
         it), and report it; the model is not touched."""
         rnd, self._round = self._round, dict(_NO_ROUND)
@@ -140,8 +159,10 @@ class DelayedDiloco(Diloco):
                 f"outer round of step {rnd['step']} not committed ({rnd['error']}); dropped on "
                 "every node: outer weights unchanged, each replica gives back its own update"
             )
-            self._end_round()
-            return
+            self.rounds.end_round()
+            return None
+        if rnd["late"]:  # the members committed; this joiner cannot use it and leaves
+            raise JoinedLate(rnd["late"])
         self.optimizer.apply(to_model=False)
         stats = prime_comm.AllReduceStats(
             bytes_sent=int(rnd["bytes_sent"]),
@@ -151,11 +172,13 @@ class DelayedDiloco(Diloco):
             world_size=int(rnd["nodes"]),
             compression=self.cfg.compression,
         )
-        self._record(
+        return self.rounds.record(
+            self.mesh,
             step,
             1,
             float(rnd["seconds"]),
             stats,
+            int(rnd["contributors"]),
             extra={"round_step": int(rnd["step"]), "waited_s": waited},
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )

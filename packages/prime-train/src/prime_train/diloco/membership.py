@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from prime_train.config import Config
 
 if TYPE_CHECKING:
@@ -87,6 +89,20 @@ class Membership:
         self.mesh.close()
         if self.server is not None:
             self.server.close()
+
+
+def register(
+    cfg: Config, ckpt_dir: Path, group: dist.ProcessGroup | None, primary: bool, warn
+) -> Membership:
+    """Register with the run's mesh, waiting if it has live members. The node's
+    local rank 0 counts them (and serves checkpoints); its other ranks (`group`) agree."""
+    live = [None]
+    if group is not None:
+        if primary:
+            token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
+            live = [count_live_members(cfg.mesh.coordinator, token)]
+        dist.broadcast_object_list(live, group_src=0, group=group)
+    return Membership.join(cfg, ckpt_dir, serve=primary, warn=warn, live_members=live[0])
 
 
 def count_live_members(coordinator: str, token: str | None) -> int:

@@ -4,7 +4,8 @@ A node whose link went down, or that stalled (SIGSTOP, swapping) for longer than
 timeout, is evicted: the others go on committing without it. When it comes back, its next mesh
 call at an outer boundary raises `MeshEvicted` (the coordinator told it) or `CoordinatorLost`
 (its own heartbeats found the coordinator silent while the link was down). Instead of exiting,
-the trainer then takes the path a restarted node takes (`prime_train.diloco.join`):
+the loop's outer boundary (`diloco/boundary.py`) takes the path a restarted node takes
+(`prime_train.diloco.join`):
 
 1. It closes its old membership (mesh and checkpoint server) and waits, up to
    `diloco.rejoin_wait_s`, until the coordinator answers and the run has live members.
@@ -19,18 +20,24 @@ that says so (`RejoinsExhausted`). The rows it writes carry `rejoined` (the coun
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from prime_mesh import MeshError
+from prime_mesh import CoordinatorLost, MeshError, MeshEvicted
+from prime_train.diloco.join import enter_running_job, load_members_state
 from prime_train.diloco.membership import Membership, count_live_members
+from prime_train.seam import ElasticOuterStep
 
 if TYPE_CHECKING:
     from prime_train.run import Run
-    from prime_train.seam import OuterStep
 
 POLL_S = 1.0
+
+# The mesh errors that mean this node is no longer a member and may rejoin. (CoordinatorGone,
+# a CoordinatorLost whose coordinator did not come back within the grace, is handled before
+# these: there is no run to rejoin.)
+MEMBERSHIP_LOST: tuple[type[MeshError], ...] = (MeshEvicted, CoordinatorLost)
 
 
 class RejoinsExhausted(MeshError):
@@ -40,33 +47,6 @@ class RejoinsExhausted(MeshError):
 
 class RejoinFailed(MeshError):
     """No coordinator with live members answered within `diloco.rejoin_wait_s`."""
-
-
-def membership_lost() -> tuple[type[BaseException], ...]:
-    """The mesh errors that mean this node is no longer a member (and may rejoin); see
-    `rejoins_after` for the one kind that ends the node instead."""
-    from prime_mesh import CoordinatorLost, MeshEvicted
-
-    return (MeshEvicted, CoordinatorLost)
-
-
-def rejoins_after(error: BaseException) -> bool:
-    """False for `CoordinatorGone`: no coordinator came back within `mesh.coordinator_grace_s`,
-    so there is no run to rejoin; the node has checkpointed its last committed outer step and
-    exits with the line that says how to resume."""
-    from prime_mesh import CoordinatorGone
-
-    return not isinstance(error, CoordinatorGone)
-
-
-def can_rejoin(run: Run, outer: OuterStep | None) -> bool:
-    """Whether this node can rejoin by itself: a DiLoCo node of a multi-node run whose outer
-    step has no round in flight across the loss (`overlap = "none"`)."""
-    return (
-        run.placement.membership is not None
-        and hasattr(outer, "reattach")
-        and not getattr(outer, "overlapped", False)
-    )
 
 
 def check_rejoin_allowed(run: Run, error: BaseException, rejoins: int) -> None:
@@ -117,11 +97,11 @@ def _register_again(run: Run, error: BaseException) -> Membership:
         time.sleep(POLL_S)
 
 
-def rejoin_running_job(run: Run, outer: OuterStep, error: BaseException, rejoins: int) -> int:
+def rejoin_running_job(
+    run: Run, outer: ElasticOuterStep, error: BaseException, rejoins: int
+) -> int:
     """Steps 1 and 2 of the module doc after `error` ended this node's membership; `rejoins`
-    counts this one. Returns the step the node continues from (its entry outer step's)."""
-    from prime_train.trainer import enter_running_job
-
+    counts this one. Returns the step the node continues from (its entry round's)."""
     check_rejoin_allowed(run, error, rejoins)
     placement = run.placement
     run.log.warn(
@@ -136,13 +116,10 @@ def rejoin_running_job(run: Run, outer: OuterStep, error: BaseException, rejoins
     t0 = time.monotonic()
     membership = _register_again(run, error)
     placement.membership = membership
-    outer.reattach(membership.mesh)  # type: ignore[attr-defined]
+    outer.reattach(membership.mesh)
     run.log.info(
         f"registered again as {membership.mesh.node_id} after "
         f"{time.monotonic() - t0:.1f} s ({membership.members_seen} member(s)): fetching their state"
     )
-    loaded = run.resume(outer)
-    info: dict[str, Any] = run.joined or {}
-    info["rejoined"] = rejoins
-    run.joined = info
-    return enter_running_job(run, outer, loaded)
+    record = load_members_state(run, outer, rejoined=rejoins)
+    return enter_running_job(run, outer, record)

@@ -1,0 +1,34 @@
+"""Fault hooks for tests: the one place where prime-train reads them, all from the environment.
+
+Each hook is off unless its variable is set in a node's environment (a test sets it for the
+node it wants to misbehave); production code calls the hooks below and never reads the
+environment itself.
+
+| variable | effect |
+| --- | --- |
+| `PRIME_TRAIN_FAULT_HOLD_ROUND_S` | with `overlap = "delayed"`, every background outer round waits this many seconds between its sync point and its all-reduce, so that a test can kill or stop a node while a round is in flight |
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prime_train.metrics import Log
+
+HOLD_ROUND_ENV = "PRIME_TRAIN_FAULT_HOLD_ROUND_S"
+
+
+def _seconds(name: str) -> float:
+    return float(os.environ.get(name, "0") or 0)
+
+
+HOLD_ROUND_S = _seconds(HOLD_ROUND_ENV)  # read once, when the trainer starts
+
+
+def hold_outer_round(step: int, log: Log | None) -> None:
+    """`PRIME_TRAIN_FAULT_HOLD_ROUND_S`: keep the outer round of `step` in flight a while."""
+    if HOLD_ROUND_S:
+        if log is not None:
+            log.info(f"holding the outer round of step {step} for {HOLD_ROUND_S:g} s")
+        time.sleep(HOLD_ROUND_S)

@@ -1,0 +1,87 @@
+"""What the loop does at an outer boundary: the outer step, and what a mesh node does when its
+membership is lost there.
+
+`OuterBoundary.sync(step)` takes the outer step and keeps the committed state
+(`diloco/committed.py`) of the boundary. A lost membership has one handler per kind:
+
+- the coordinator did not come back within `mesh.coordinator_grace_s` (`CoordinatorGone`):
+  checkpoint the last committed outer step and exit with a line saying how to resume;
+- evicted (a cut link, a stall: `MeshEvicted`) or the coordinator lost (`CoordinatorLost`):
+  rejoin the others by itself through live recovery (`diloco/rejoin.py`), when it can.
+
+Checkpoints taken at a boundary go through `checkpoint`, which handles a coordinator found gone
+there (an overlapped outer step's round ends in its checkpoint) the same way.
+"""
+
+from __future__ import annotations
+
+from prime_mesh import CoordinatorGone
+from prime_train.diloco.committed import CommittedState
+from prime_train.diloco.rejoin import MEMBERSHIP_LOST, rejoin_running_job
+from prime_train.run import Run
+from prime_train.seam import ElasticOuterStep, OuterStep, OuterStepReport
+
+
+class OuterBoundary:
+    """The outer step at each boundary of the loop, and its committed state (module doc)."""
+
+    def __init__(self, run: Run, outer: OuterStep, start: int):
+        self.run, self.outer = run, outer
+        # a mesh node's outer step (train() checked it implements the elastic seam)
+        self.elastic = outer if isinstance(outer, ElasticOuterStep) else None
+        self.can_rejoin = (
+            self.elastic is not None
+            and run.placement.membership is not None
+            and not outer.overlapped  # no round in flight may cross the loss
+        )
+        self.committed = CommittedState.take(run, start)
+        self.rejoins = 0
+
+    def due(self, step: int) -> bool:
+        """Whether inner step `step` ends a round (the last step always does)."""
+        return self.outer.is_boundary(step) or step == self.run.cfg.train.steps
+
+    def sync(self, step: int) -> int:
+        """The outer step after inner step `step`; returns the step the loop continues from
+        (later than `step` after a rejoin: the members' round the node entered)."""
+        report: OuterStepReport | None = None
+        try:
+            self.outer.start(step)
+            if not self.outer.overlapped or step == self.run.cfg.train.steps:
+                report = self.outer.finish()  # the final model: the outer weights
+        except CoordinatorGone as e:
+            self._coordinator_gone(e)
+        except MEMBERSHIP_LOST as e:
+            if not self.can_rejoin or self.elastic is None:
+                raise
+            self.rejoins += 1
+            step = rejoin_running_job(self.run, self.elastic, e, self.rejoins)
+        self.committed = CommittedState.take(self.run, step, report)
+        return step
+
+    def checkpoint(self, step: int) -> None:
+        """Checkpoint inner step `step` (a boundary)."""
+        try:
+            self.run.checkpoint(step, self.outer)
+        except CoordinatorGone as e:
+            self._coordinator_gone(e)
+
+    def joiners_waiting(self) -> bool:
+        """Whether a node waits to join (it needs a checkpoint of the round that starts now)."""
+        return self.elastic is not None and self.elastic.joiners_waiting()
+
+    def _coordinator_gone(self, error: CoordinatorGone) -> None:
+        """Checkpoint the last committed outer step and raise the line that says how to
+        resume from it."""
+        if self.elastic is None:
+            raise error
+        committed = self.committed
+        committed.checkpoint(self.run, self.elastic)
+        mesh = self.run.cfg.mesh
+        raise CoordinatorGone(
+            f"the coordinator at {mesh.coordinator} did not come back within "
+            f"mesh.coordinator_grace_s={mesh.coordinator_grace_s:g}s; checkpointed step "
+            f"{committed.step} (the last committed outer step; the inner steps since are "
+            "dropped). To resume from it, start the coordinator again and rerun the same "
+            "command on every node"
+        ) from error
