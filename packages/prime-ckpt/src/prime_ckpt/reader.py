@@ -156,7 +156,7 @@ class _Planner:
                     f"{key_str(path)}: checkpoint has a tensor, state has {type(target).__name__}"
                 )
                 return target
-            self._tensor(target, self.meta["tensors"][idx], path)
+            self.plan_tensor(target, self.meta["tensors"][idx], path)
             return target
         if isinstance(saved, dict):
             if not isinstance(target, dict):
@@ -215,7 +215,7 @@ class _Planner:
         if idx is not None:
             rec = self.meta["tensors"][idx]
             t = torch.empty(rec[3] or rec[2], dtype=dtype_from_name(rec[1]))
-            self._tensor(t, rec, path)
+            self.plan_tensor(t, rec, path)
             return t
         if isinstance(saved, dict):
             return {k: self._materialize(v, (*path, k)) for k, v in saved.items()}
@@ -223,7 +223,9 @@ class _Planner:
             return [self._materialize(v, (*path, i)) for i, v in enumerate(saved)]
         return saved
 
-    def _tensor(self, target: torch.Tensor, rec: list, path: tuple) -> None:
+    def plan_tensor(self, target: torch.Tensor, rec: list, path: tuple) -> None:
+        """Plan the reads that fill `target` (its local rows) from the saved record `rec`;
+        a shape or dtype mismatch is noted in `wrong`, missing rows raise NotCovered."""
         local, gshape, row0 = _target_rows(target)
         saved_shape = rec[3] if rec[3] is not None else rec[2]
         dt = dtype_from_name(rec[1])
@@ -339,7 +341,7 @@ def read_tensor(source: Source, path: tuple) -> torch.Tensor:
     if rec is None:
         raise StateMismatch(f"{key_str(path)}: no such tensor in {source.dir}")
     t = torch.empty(rec[3] if rec[3] is not None else rec[2], dtype=dtype_from_name(rec[1]))
-    planner._tensor(t, rec, tuple(path))
+    planner.plan_tensor(t, rec, tuple(path))
     for f in sorted(planner.plan.files()):
         source.verify(f)
     apply_plan(planner.plan)

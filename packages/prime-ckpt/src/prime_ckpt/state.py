@@ -44,6 +44,7 @@ def is_dtensor(t: Any) -> bool:
 def shard_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int], int, bool]:
     """(local tensor, global shape, dim-0 offset, owner) of a DTensor with Shard(0)/Replicate
     placements; `owner` is False on replicas that must not write a duplicate copy."""
+    # torch has no public name for a DTensor's global offset (DCP uses the same helper)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = list(t.placements)
