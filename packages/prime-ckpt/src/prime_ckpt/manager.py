@@ -22,7 +22,7 @@ from prime_ckpt.errors import (
 )
 from prime_ckpt.faults import fault
 from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
-from prime_ckpt.reader import Plan, Source, apply_plan, plan_load
+from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
 from prime_ckpt.records import TIERS, CheckpointInfo, SaveHandle, checkpoint_info, parse_keep
 from prime_ckpt.remote import RemoteStore, Uploader, remote_listing
 from prime_ckpt.staging import Stager, clean_stale, default_shm_dir
@@ -229,9 +229,9 @@ class CheckpointManager:
             steps.update(self._remote_steps())
         return sorted(steps)
 
-    def _open(self, tier: str, path: Path, step: int) -> Source:
+    def _open(self, tier: str, path: Path, step: int) -> CheckpointSource:
         if tier != "remote":
-            return Source.open(tier, path)
+            return CheckpointSource.open(tier, path)
         tmp = self.disk_dir / f"{TMP_PREFIX}remote-{step_dirname(step)}-{self._nonce}-r{self.rank}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -247,7 +247,7 @@ class CheckpointManager:
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CorruptCheckpoint(f"download from {self._remote.url} failed: {e}") from None
-        src = Source.open("disk", tmp)
+        src = CheckpointSource.open("disk", tmp)
         src.tier = "remote"
         return src
 

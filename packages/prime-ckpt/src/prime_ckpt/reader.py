@@ -28,8 +28,9 @@ from prime_ckpt.state import (
 
 
 @dataclass
-class Source:
-    """A committed folder: a whole disk checkpoint, or one rank's RAM slot."""
+class CheckpointSource:
+    """A committed checkpoint folder opened for reading: a whole disk checkpoint, or one
+    rank's RAM slot. `CheckpointSource.open("disk", folder / step_dirname(step))`."""
 
     tier: str
     dir: Path
@@ -39,7 +40,9 @@ class Source:
     _verified: set[str] = field(default_factory=set)
 
     @classmethod
-    def open(cls, tier: str, path: Path) -> Source:
+    def open(cls, tier: str, path: Path) -> CheckpointSource:
+        """Read the manifest of the folder `path` of tier `tier` ("ram", "disk" or "remote");
+        CorruptCheckpoint if it is missing or fails its own checksum."""
         try:
             m = read_manifest(path)
         except Exception as e:
@@ -48,6 +51,8 @@ class Source:
         return cls(tier, path, m, ranks)
 
     def verify(self, name: str) -> None:
+        """Check one file's size and SHA-256 against the manifest (once); CorruptCheckpoint
+        if it is missing or differs."""
         if name in self._verified:
             return
         entry = self.manifest.files.get(name)
@@ -63,6 +68,7 @@ class Source:
         self._verified.add(name)
 
     def meta(self, rank: int) -> dict:
+        """One rank's verified metadata: the state's structure and its tensor records."""
         if rank not in self._metas:
             self.verify(meta_name(rank))
             try:
@@ -93,12 +99,15 @@ class _Read:
 
 @dataclass
 class Plan:
-    source: Source
+    source: CheckpointSource
     reads: list[_Read] = field(default_factory=list)
     sets: list[tuple[Any, Any, Any]] = field(default_factory=list)  # (container, key, value)
 
     def files(self) -> set[str]:
         return {r.file for r in self.reads}
+
+
+Source = CheckpointSource  # the former name, still importable from prime_ckpt.reader
 
 
 def _target_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
@@ -113,7 +122,7 @@ def _target_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
 
 
 class _Planner:
-    def __init__(self, source: Source, rank: int, world: int, strict: bool) -> None:
+    def __init__(self, source: CheckpointSource, rank: int, world: int, strict: bool) -> None:
         self.src = source
         self.strict = strict
         same = source.manifest.world_size == world and rank in source.ranks
@@ -287,7 +296,7 @@ def _few(keys: list[str], n: int = 8) -> str:
     return ", ".join(keys[:n]) + more
 
 
-def plan_load(state: dict, source: Source, rank: int, world: int, strict: bool) -> Plan:
+def plan_load(state: dict, source: CheckpointSource, rank: int, world: int, strict: bool) -> Plan:
     """Check `state` against `source` and verify every file the load will read."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
@@ -320,7 +329,9 @@ def apply_plan(plan: Plan) -> None:
             container[key] = value
 
 
-def tensor_paths(source: Source, under: tuple = ()) -> list[tuple[tuple, list[int], torch.dtype]]:
+def tensor_paths(
+    source: CheckpointSource, under: tuple = ()
+) -> list[tuple[tuple, list[int], torch.dtype]]:
     """(key path, whole shape, dtype) of every tensor saved under the key path `under`."""
     out = []
     for rec in source.meta(source.ranks[0])["tensors"]:
@@ -331,7 +342,7 @@ def tensor_paths(source: Source, under: tuple = ()) -> list[tuple[tuple, list[in
     return out
 
 
-def read_tensor(source: Source, path: tuple) -> torch.Tensor:
+def read_tensor(source: CheckpointSource, path: tuple) -> torch.Tensor:
     """One whole tensor of a checkpoint, its shards of every rank assembled, verified first.
 
     Reading tensor by tensor keeps memory bounded by the largest tensor, however large the

@@ -36,6 +36,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a torch DTensor (an FSDP2 parameter, say)."""
     # no import: a DTensor can only exist once its module is loaded (importing it costs seconds)
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)

@@ -50,7 +50,9 @@ def partial_dirname(step: int, digest: str) -> str:
 
 
 def ask_donors(urls: list[str], token: bytes, timeout: float) -> list[Offer]:
-    """Every reachable donor's offer; NoPeerError / PeerAuthError when there is none."""
+    """Every reachable donor's offer (`.step`, `.digest`, `.url`), asked in parallel with
+    `token` (bytes: see resolve_token) and `timeout` seconds each; NoPeerError /
+    PeerAuthError when there is none."""
 
     def ask(url: str) -> Offer | Exception:
         conn = Connection(url, token, timeout)
