@@ -58,9 +58,8 @@ def read_run_config(run_dir: Path) -> Config:
 
 
 def _open_step(ckpt: Path, step: int | None):
-    from prime_ckpt import CheckpointError
-    from prime_ckpt.manifest import committed_steps, step_dirname
-    from prime_ckpt.reader import Source
+    from prime_ckpt import CheckpointError, committed_steps, step_dirname
+    from prime_ckpt import CheckpointSource as Source
 
     steps = committed_steps(ckpt)
     if not steps:
@@ -102,7 +101,7 @@ def export_hf(
     `node` to the new folder `out` in the Hugging Face Llama layout."""
     from safetensors.torch import save_file
 
-    from prime_ckpt.reader import read_tensor, tensor_paths
+    from prime_ckpt import read_tensor, tensor_paths
 
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty; choose a new folder")

@@ -39,9 +39,7 @@ class JoinFailed(RunDirError):
 
 def _newest(urls: list[str], token: str | None) -> int | None:
     """The newest step any of `urls` offers (None: none offers one yet)."""
-    from prime_ckpt.errors import PeerError
-    from prime_ckpt.peer.auth import resolve_token
-    from prime_ckpt.peer.fetch import ask_donors
+    from prime_ckpt import PeerError, ask_donors, resolve_token
 
     try:
         return max(o.step for o in ask_donors(urls, resolve_token(token), 10.0))
@@ -63,8 +61,7 @@ def _folder_bytes(folder: Path) -> int:
 def fetch_members_state(membership: Membership, ckpt_dir: Path, log: Log) -> dict[str, Any]:
     """Steps 2 and 3 of the module doc, on the node's local rank 0: returns what was fetched
     (`step`, `donor`, `bytes`, `seconds`)."""
-    from prime_ckpt import PeerError, fetch_from_peer
-    from prime_ckpt.manifest import step_dirname
+    from prime_ckpt import PeerError, fetch_from_peer, step_dirname
 
     token = membership.token
     deadline = time.monotonic() + JOIN_TIMEOUT_S
