@@ -41,8 +41,8 @@ class CheckpointSource:
 
     @classmethod
     def open(cls, tier: str, path: Path) -> CheckpointSource:
-        """Read the manifest of the folder `path` of tier `tier` ("ram", "disk" or "remote");
-        CorruptCheckpoint if it is missing or fails its own checksum."""
+        """Read the manifest of the folder `path`; `tier` ("ram", "disk") labels where it is.
+        CorruptCheckpoint if the manifest is missing or fails its own checksum."""
         try:
             m = read_manifest(path)
         except Exception as e:
