@@ -16,9 +16,11 @@ from prime_ckpt.errors import (
     StateMismatch,
 )
 from prime_ckpt.manager import CheckpointManager
-from prime_ckpt.manifest import committed_steps
-from prime_ckpt.peer import fetch_from_peer, serve_directory
+from prime_ckpt.manifest import committed_steps, step_dirname
+from prime_ckpt.peer import ask_donors, fetch_from_peer, resolve_token, serve_directory
+from prime_ckpt.reader import CheckpointSource, read_tensor, tensor_paths
 from prime_ckpt.records import TIERS, CheckpointInfo, SaveHandle
+from prime_ckpt.state import is_dtensor, shard_rows
 
 __version__ = "0.1.0"
 
@@ -26,6 +28,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
+    "CheckpointSource",
     "CheckpointWarning",
     "CorruptCheckpoint",
     "NoPeerError",
@@ -35,7 +38,14 @@ __all__ = [
     "SaveHandle",
     "StateMismatch",
     "TIERS",
+    "ask_donors",
     "committed_steps",
     "fetch_from_peer",
+    "is_dtensor",
+    "read_tensor",
+    "resolve_token",
     "serve_directory",
+    "shard_rows",
+    "step_dirname",
+    "tensor_paths",
 ]

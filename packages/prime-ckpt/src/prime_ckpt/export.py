@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from prime_ckpt.reader import Source, apply_plan, plan_load
+from prime_ckpt.reader import CheckpointSource, apply_plan, plan_load
 
 
 def consolidate(step_dir: Path) -> tuple[int, dict]:
     """The full state of a committed step folder, every tensor whole, on CPU."""
-    src = Source.open("disk", step_dir)
+    src = CheckpointSource.open("disk", step_dir)
     state: dict = {}
     apply_plan(plan_load(state, src, rank=0, world=1, strict=False))
     return src.manifest.step, state

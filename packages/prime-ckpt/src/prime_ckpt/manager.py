@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import shutil
 import threading
 import warnings
 from collections.abc import Iterable, Mapping
@@ -22,9 +20,10 @@ from prime_ckpt.errors import (
 )
 from prime_ckpt.faults import fault
 from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
-from prime_ckpt.reader import Plan, Source, apply_plan, plan_load
+from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
 from prime_ckpt.records import TIERS, CheckpointInfo, SaveHandle, checkpoint_info, parse_keep
 from prime_ckpt.remote import RemoteStore, Uploader, remote_listing
+from prime_ckpt.remote_load import open_remote, settle_remote
 from prime_ckpt.staging import Stager, clean_stale, default_shm_dir
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
 from prime_ckpt.writer import TMP_PREFIX, DiskCommitter, copy_hashed, disk_steps
@@ -229,37 +228,16 @@ class CheckpointManager:
             steps.update(self._remote_steps())
         return sorted(steps)
 
-    def _open(self, tier: str, path: Path, step: int) -> Source:
+    def _open(self, tier: str, path: Path, step: int) -> CheckpointSource:
         if tier != "remote":
-            return Source.open(tier, path)
+            return CheckpointSource.open(tier, path)
         tmp = self.disk_dir / f"{TMP_PREFIX}remote-{step_dirname(step)}-{self._nonce}-r{self.rank}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            self._remote.download(step, tmp)
-        except CorruptCheckpoint as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if self.rank == 0:  # a copy that fails its own manifest is never good: clean it
-                try:
-                    self._remote.delete(step)
-                except Exception as de:  # cleaning is best effort; the step stays skipped
-                    e = CorruptCheckpoint(f"{e}; could not remove it: {de}")
-            raise e from None
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CorruptCheckpoint(f"download from {self._remote.url} failed: {e}") from None
-        src = Source.open("disk", tmp)
-        src.tier = "remote"
-        return src
+        return open_remote(self._remote, step, tmp, owner=self.rank == 0)
 
     def _finish(self, plan: Plan | Any, loaded: bool) -> None:
         """A remote copy, once loaded, becomes the disk copy (rank 0); else it is removed."""
-        if not isinstance(plan, Plan) or plan.source.tier != "remote":
-            return
-        final = self.disk_dir / step_dirname(plan.source.manifest.step)
-        if loaded and self.rank == 0 and not final.exists():
-            os.rename(plan.source.dir, final)
-        else:
-            shutil.rmtree(plan.source.dir, ignore_errors=True)
+        if isinstance(plan, Plan) and plan.source.tier == "remote":
+            settle_remote(plan.source, self.disk_dir, adopt=loaded and self.rank == 0)
 
     def _plan(self, step: int, state: dict, strict: bool) -> tuple[int, Plan | Exception | None]:
         """(1, plan) when loadable, (0, reason) when no copy verifies, (-1, error) on mismatch."""

@@ -28,8 +28,9 @@ from prime_ckpt.state import (
 
 
 @dataclass
-class Source:
-    """A committed folder: a whole disk checkpoint, or one rank's RAM slot."""
+class CheckpointSource:
+    """A committed checkpoint folder opened for reading: a whole disk checkpoint, or one
+    rank's RAM slot. `CheckpointSource.open("disk", folder / step_dirname(step))`."""
 
     tier: str
     dir: Path
@@ -39,7 +40,9 @@ class Source:
     _verified: set[str] = field(default_factory=set)
 
     @classmethod
-    def open(cls, tier: str, path: Path) -> Source:
+    def open(cls, tier: str, path: Path) -> CheckpointSource:
+        """Read the manifest of the folder `path`; `tier` ("ram", "disk") labels where it is.
+        CorruptCheckpoint if the manifest is missing or fails its own checksum."""
         try:
             m = read_manifest(path)
         except Exception as e:
@@ -48,6 +51,8 @@ class Source:
         return cls(tier, path, m, ranks)
 
     def verify(self, name: str) -> None:
+        """Check one file's size and SHA-256 against the manifest (once); CorruptCheckpoint
+        if it is missing or differs."""
         if name in self._verified:
             return
         entry = self.manifest.files.get(name)
@@ -63,6 +68,7 @@ class Source:
         self._verified.add(name)
 
     def meta(self, rank: int) -> dict:
+        """One rank's verified metadata: the state's structure and its tensor records."""
         if rank not in self._metas:
             self.verify(meta_name(rank))
             try:
@@ -93,12 +99,15 @@ class _Read:
 
 @dataclass
 class Plan:
-    source: Source
+    source: CheckpointSource
     reads: list[_Read] = field(default_factory=list)
     sets: list[tuple[Any, Any, Any]] = field(default_factory=list)  # (container, key, value)
 
     def files(self) -> set[str]:
         return {r.file for r in self.reads}
+
+
+Source = CheckpointSource  # the former name, still importable from prime_ckpt.reader
 
 
 def _target_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
@@ -113,7 +122,7 @@ def _target_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
 
 
 class _Planner:
-    def __init__(self, source: Source, rank: int, world: int, strict: bool) -> None:
+    def __init__(self, source: CheckpointSource, rank: int, world: int, strict: bool) -> None:
         self.src = source
         self.strict = strict
         same = source.manifest.world_size == world and rank in source.ranks
@@ -156,7 +165,7 @@ class _Planner:
                     f"{key_str(path)}: checkpoint has a tensor, state has {type(target).__name__}"
                 )
                 return target
-            self._tensor(target, self.meta["tensors"][idx], path)
+            self.plan_tensor(target, self.meta["tensors"][idx], path)
             return target
         if isinstance(saved, dict):
             if not isinstance(target, dict):
@@ -215,7 +224,7 @@ class _Planner:
         if idx is not None:
             rec = self.meta["tensors"][idx]
             t = torch.empty(rec[3] or rec[2], dtype=dtype_from_name(rec[1]))
-            self._tensor(t, rec, path)
+            self.plan_tensor(t, rec, path)
             return t
         if isinstance(saved, dict):
             return {k: self._materialize(v, (*path, k)) for k, v in saved.items()}
@@ -223,7 +232,9 @@ class _Planner:
             return [self._materialize(v, (*path, i)) for i, v in enumerate(saved)]
         return saved
 
-    def _tensor(self, target: torch.Tensor, rec: list, path: tuple) -> None:
+    def plan_tensor(self, target: torch.Tensor, rec: list, path: tuple) -> None:
+        """Plan the reads that fill `target` (its local rows) from the saved record `rec`;
+        a shape or dtype mismatch is noted in `wrong`, missing rows raise NotCovered."""
         local, gshape, row0 = _target_rows(target)
         saved_shape = rec[3] if rec[3] is not None else rec[2]
         dt = dtype_from_name(rec[1])
@@ -285,7 +296,7 @@ def _few(keys: list[str], n: int = 8) -> str:
     return ", ".join(keys[:n]) + more
 
 
-def plan_load(state: dict, source: Source, rank: int, world: int, strict: bool) -> Plan:
+def plan_load(state: dict, source: CheckpointSource, rank: int, world: int, strict: bool) -> Plan:
     """Check `state` against `source` and verify every file the load will read."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
@@ -318,7 +329,9 @@ def apply_plan(plan: Plan) -> None:
             container[key] = value
 
 
-def tensor_paths(source: Source, under: tuple = ()) -> list[tuple[tuple, list[int], torch.dtype]]:
+def tensor_paths(
+    source: CheckpointSource, under: tuple = ()
+) -> list[tuple[tuple, list[int], torch.dtype]]:
     """(key path, whole shape, dtype) of every tensor saved under the key path `under`."""
     out = []
     for rec in source.meta(source.ranks[0])["tensors"]:
@@ -329,7 +342,7 @@ def tensor_paths(source: Source, under: tuple = ()) -> list[tuple[tuple, list[in
     return out
 
 
-def read_tensor(source: Source, path: tuple) -> torch.Tensor:
+def read_tensor(source: CheckpointSource, path: tuple) -> torch.Tensor:
     """One whole tensor of a checkpoint, its shards of every rank assembled, verified first.
 
     Reading tensor by tensor keeps memory bounded by the largest tensor, however large the
@@ -339,7 +352,7 @@ def read_tensor(source: Source, path: tuple) -> torch.Tensor:
     if rec is None:
         raise StateMismatch(f"{key_str(path)}: no such tensor in {source.dir}")
     t = torch.empty(rec[3] if rec[3] is not None else rec[2], dtype=dtype_from_name(rec[1]))
-    planner._tensor(t, rec, tuple(path))
+    planner.plan_tensor(t, rec, tuple(path))
     for f in sorted(planner.plan.files()):
         source.verify(f)
     apply_plan(planner.plan)

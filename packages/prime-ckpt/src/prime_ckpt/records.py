@@ -10,7 +10,7 @@ from typing import Any
 
 from prime_ckpt.errors import CheckpointError
 from prime_ckpt.manifest import Manifest, verify_dir
-from prime_ckpt.reader import Source
+from prime_ckpt.reader import CheckpointSource
 
 TIERS = ("ram", "disk", "remote")
 DEFAULT_KEEP: dict[str, int | None] = {"ram": 2, "disk": 3, "remote": None}
@@ -95,7 +95,7 @@ def checkpoint_info(
     """The listing row of one committed copy (`path`: a step folder or a RAM slot), its
     files hashed against the manifest when `verify`; an unreadable manifest is "corrupt"."""
     try:
-        m = m or Source.open(tier, path).manifest
+        m = m or CheckpointSource.open(tier, path).manifest
     except CheckpointError as e:
         return CheckpointInfo(step, tier, str(path), 0, "corrupt", False, str(e))
     size = sum(f.size for f in m.files.values())

@@ -36,6 +36,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a torch DTensor (an FSDP2 parameter, say)."""
     # no import: a DTensor can only exist once its module is loaded (importing it costs seconds)
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
@@ -44,6 +45,7 @@ def is_dtensor(t: Any) -> bool:
 def shard_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int], int, bool]:
     """(local tensor, global shape, dim-0 offset, owner) of a DTensor with Shard(0)/Replicate
     placements; `owner` is False on replicas that must not write a duplicate copy."""
+    # torch has no public name for a DTensor's global offset (DCP uses the same helper)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = list(t.placements)

@@ -58,9 +58,8 @@ def read_run_config(run_dir: Path) -> Config:
 
 
 def _open_step(ckpt: Path, step: int | None):
-    from prime_ckpt import CheckpointError
-    from prime_ckpt.manifest import committed_steps, step_dirname
-    from prime_ckpt.reader import Source
+    from prime_ckpt import CheckpointError, committed_steps, step_dirname
+    from prime_ckpt import CheckpointSource
 
     steps = committed_steps(ckpt)
     if not steps:
@@ -69,7 +68,7 @@ def _open_step(ckpt: Path, step: int | None):
         raise ExportError(f"{ckpt} has no step {step}; committed steps: {steps}")
     for s in [step] if step is not None else reversed(steps):
         try:
-            src = Source.open("disk", ckpt / step_dirname(s))
+            src = CheckpointSource.open("disk", ckpt / step_dirname(s))
             for name in src.manifest.files:
                 src.verify(name)
             return src
@@ -102,7 +101,7 @@ def export_hf(
     `node` to the new folder `out` in the Hugging Face Llama layout."""
     from safetensors.torch import save_file
 
-    from prime_ckpt.reader import read_tensor, tensor_paths
+    from prime_ckpt import read_tensor, tensor_paths
 
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty; choose a new folder")

@@ -118,7 +118,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 def _local_rows(p: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
     """(local tensor, whole shape, first dim-0 row) of a parameter, FSDP2-sharded or not."""
-    from prime_ckpt.state import is_dtensor, shard_rows
+    from prime_ckpt import is_dtensor, shard_rows
 
     if is_dtensor(p):
         local, shape, row, _ = shard_rows(p)

@@ -5,7 +5,8 @@ step = fetch_from_peer([server.url], dest, token=...)         # on the joiner
 """
 
 from prime_ckpt.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneError
-from prime_ckpt.peer.fetch import fetch_from_peer
+from prime_ckpt.peer.auth import resolve_token
+from prime_ckpt.peer.fetch import ask_donors, fetch_from_peer
 from prime_ckpt.peer.server import PeerServer, serve_directory
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "PeerError",
     "PeerGoneError",
     "PeerServer",
+    "ask_donors",
     "fetch_from_peer",
+    "resolve_token",
     "serve_directory",
 ]

@@ -50,7 +50,9 @@ def partial_dirname(step: int, digest: str) -> str:
 
 
 def ask_donors(urls: list[str], token: bytes, timeout: float) -> list[Offer]:
-    """Every reachable donor's offer; NoPeerError / PeerAuthError when there is none."""
+    """Every reachable donor's offer (`.step`, `.digest`, `.url`), asked in parallel with
+    `token` (bytes: see resolve_token) and `timeout` seconds each; NoPeerError /
+    PeerAuthError when there is none."""
 
     def ask(url: str) -> Offer | Exception:
         conn = Connection(url, token, timeout)
@@ -143,6 +145,84 @@ def _verify(folder: Path, offer: Offer, workers: int, checked: dict[str, bool]) 
     return {n for n, ok in checked.items() if not ok}
 
 
+def _checked_urls(
+    urls: str | Sequence[str], connections: int, timeout: float, chunk_bytes: int
+) -> list[str]:
+    """The donor URLs, normalized and without repeats; ValueError for bad settings."""
+    if isinstance(urls, str):
+        urls = [urls]
+    urls = list(dict.fromkeys(normalize_url(u) for u in urls))
+    if not urls:
+        raise ValueError("fetch_from_peer needs at least one donor URL (a server's .url)")
+    if not isinstance(connections, int) or not isinstance(chunk_bytes, int):
+        raise ValueError("connections and chunk_bytes must be ints")
+    if connections < 1 or timeout <= 0 or chunk_bytes < 1:
+        raise ValueError("connections and chunk_bytes must be >= 1 and timeout > 0")
+    return urls
+
+
+def _open_partial(dest: Path, offer: Offer, donors: list[str]) -> Path:
+    """The partial folder of this offer under `dest`, holding its manifest (kept from an
+    earlier run, whose finished chunks the download resumes)."""
+    folder = dest / partial_dirname(offer.step, offer.digest)
+    folder.mkdir(exist_ok=True)
+    (folder / MANIFEST_NAME).write_bytes(offer.manifest_bytes)
+    size = sum(e.size for e in offer.manifest.files.values())
+    log.info(
+        "fetching step %d (%.1f MB, %d files) from %d donor(s)",
+        offer.step,
+        size / 1e6,
+        len(offer.manifest.files),
+        len(donors),
+    )
+    return folder
+
+
+def _download_verified(download: Download, offer: Offer, workers: int) -> None:
+    """Run `download` until every file matches its SHA-256: files that fail are fetched once
+    more, then it is a PeerError (the donors serve corrupt files), as is a local write error."""
+    folder = download.folder
+    try:
+        for attempt in range(2):
+            download.run()
+            bad = _verify(folder, offer, workers, download.checked)
+            if not bad:
+                return
+            if attempt:
+                raise PeerError(
+                    f"{sorted(bad)[:3]} failed their checksum twice after download; the donors "
+                    f"serve corrupt files (partial download kept in {folder})"
+                )
+            log.warning("%d file(s) failed their checksum; fetching them again", len(bad))
+            download.journal.forget(bad)
+            for name in bad:
+                del download.checked[name]
+                (folder / name).unlink()
+    except OSError as e:
+        raise PeerError(f"cannot write the checkpoint into {folder}: {e}") from e
+
+
+def _commit(folder: Path, target: Path, offer: Offer) -> bool:
+    """Sync the verified `folder` and rename it to `target`, then drop partials it makes
+    useless; False (and `folder` removed) when another fetcher committed it meanwhile."""
+    (folder / JOURNAL).unlink(missing_ok=True)
+    for name in offer.manifest.files:  # resumed files too: an earlier run never synced them
+        fd = os.open(folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for d in {(folder / n).parent for n in offer.manifest.files} | {folder}:
+        fsync_dir(d)
+    if _already_have(target, offer):  # another fetcher committed it meanwhile
+        shutil.rmtree(folder, ignore_errors=True)
+        return False
+    os.rename(folder, target)
+    fsync_dir(target.parent)
+    _drop_stale_partials(target.parent, offer.step)
+    return True
+
+
 def fetch_from_peer(
     urls: str | Sequence[str],
     dest: str | Path,
@@ -158,15 +238,7 @@ def fetch_from_peer(
     `timeout` bounds every connect and read; `token` defaults to $PRIME_TOKEN.
     """
     key = resolve_token(token)
-    if isinstance(urls, str):
-        urls = [urls]
-    urls = list(dict.fromkeys(normalize_url(u) for u in urls))
-    if not urls:
-        raise ValueError("fetch_from_peer needs at least one donor URL (a server's .url)")
-    if not isinstance(connections, int) or not isinstance(chunk_bytes, int):
-        raise ValueError("connections and chunk_bytes must be ints")
-    if connections < 1 or timeout <= 0 or chunk_bytes < 1:
-        raise ValueError("connections and chunk_bytes must be >= 1 and timeout > 0")
+    urls = _checked_urls(urls, connections, timeout, chunk_bytes)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
 
@@ -177,55 +249,14 @@ def fetch_from_peer(
     if _already_have(target, offer):
         log.info("%s already holds step %d; nothing to fetch", dest, offer.step)
         return offer.step
-    folder = dest / partial_dirname(offer.step, offer.digest)
-    folder.mkdir(exist_ok=True)
-    (folder / MANIFEST_NAME).write_bytes(offer.manifest_bytes)
-    size = sum(e.size for e in offer.manifest.files.values())
-    log.info(
-        "fetching step %d (%.1f MB, %d files) from %d donor(s)",
-        offer.step,
-        size / 1e6,
-        len(offer.manifest.files),
-        len(donors),
-    )
+    folder = _open_partial(dest, offer, donors)
     t0 = time.monotonic()
     download = Download(
         folder, offer.manifest, offer.digest, donors, key, connections, timeout, chunk_bytes
     )
-    try:
-        for attempt in range(2):
-            download.run()
-            bad = _verify(folder, offer, connections, download.checked)
-            if not bad:
-                break
-            if attempt:
-                raise PeerError(
-                    f"{sorted(bad)[:3]} failed their checksum twice after download; the donors "
-                    f"serve corrupt files (partial download kept in {folder})"
-                )
-            log.warning("%d file(s) failed their checksum; fetching them again", len(bad))
-            download.journal.forget(bad)
-            for name in bad:
-                del download.checked[name]
-                (folder / name).unlink()
-    except OSError as e:
-        raise PeerError(f"cannot write the checkpoint into {folder}: {e}") from e
-
-    (folder / JOURNAL).unlink(missing_ok=True)
-    for name in offer.manifest.files:  # resumed files too: an earlier run never synced them
-        fd = os.open(folder / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    for d in {(folder / n).parent for n in offer.manifest.files} | {folder}:
-        fsync_dir(d)
-    if _already_have(target, offer):  # another fetcher committed it meanwhile
-        shutil.rmtree(folder, ignore_errors=True)
+    _download_verified(download, offer, connections)
+    if not _commit(folder, target, offer):
         return offer.step
-    os.rename(folder, target)
-    fsync_dir(dest)
-    _drop_stale_partials(dest, offer.step)
     dt = time.monotonic() - t0
     log.info(
         "fetched step %d into %s: %.1f MB new in %.1fs (%.1f MB/s)",
