@@ -58,8 +58,7 @@ def read_run_config(run_dir: Path) -> Config:
 
 
 def _open_step(ckpt: Path, step: int | None):
-    from prime_ckpt import CheckpointError, committed_steps, step_dirname
-    from prime_ckpt import CheckpointSource
+    from prime_ckpt import CheckpointError, CheckpointSource, committed_steps, step_dirname
 
     steps = committed_steps(ckpt)
     if not steps:
