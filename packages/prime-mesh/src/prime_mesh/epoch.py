@@ -75,6 +75,8 @@ def build_group(
     """Local rank `local_rank`'s gloo group of `epoch`, rendezvousing under the epoch's prefix
     on a clone of `store` (so an abandoned build never blocks the node's own connection)."""
     prefixed = dist.PrefixStore(f"prime-mesh/{epoch.prefix}/{local_rank}", store.clone())
+    # torch offers no public name for a gloo group's options (devices, timeout): these are
+    # the private ones torch.distributed itself uses to build one.
     opts = ProcessGroupGloo._Options()
     opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
     opts._timeout = datetime.timedelta(seconds=timeout)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prime_mesh.progress import History, public_metadata
-from prime_mesh.reform import Refused, Rejoin, Resume, maybe_reform, resume_of
+from prime_mesh.reform import Refused, Rejoin, Resume, plan_reform, resume_of
 
 log = logging.getLogger("prime_mesh.coordinator")
 
@@ -114,7 +114,10 @@ class Membership:
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
         hb = float(min(max(hb, 0.1), 3600.0))
-        resume = resume_of(self, key, msg.get("resume"))
+        others = {n.node_id for k, n in self.nodes.items() if k != key}
+        resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=others)
+        if resume is not None:
+            self._seq = max(self._seq, resume.highest_number)
         node = self.nodes.get(key)
         if node is None:
             self._seq += resume is None  # a reconnected node keeps its id
@@ -288,7 +291,7 @@ class Membership:
             return
         resumes = [r for k in self.joiners if (r := self.nodes[k].resume) is not None]
         if resumes:
-            maybe_reform(self, resumes)
+            self._reform(resumes)
             return
         self._reform_since = None  # the reconnected nodes are gone again
         if len(self.joiners) >= self.min_nodes:
@@ -296,6 +299,20 @@ class Membership:
             self._new_epoch(
                 list(self.joiners), "formed", ("formed", ids, f"{self.min_nodes} node(s) needed")
             )
+
+    def _reform(self, resumes: list[Resume]) -> None:
+        """Apply the re-formation `plan_reform` makes of the reconnected nodes, if it is time."""
+        if self._reform_since is None:
+            self._reform_since = self.clock()
+        plan = plan_reform(resumes, self.clock() - self._reform_since, self.reform_wait)
+        if plan is None:
+            return
+        by_id = {n.node_id: n for n in self.nodes.values()}
+        self._reform_since = None
+        self.epoch = plan.above_epoch  # _new_epoch numbers above it
+        self._new_epoch([by_id[i].key for i in plan.adopted], plan.why, plan.event)
+        for node_id, why in plan.away:  # not members: no new epoch; the node is told why
+            self.evict(by_id[node_id], why)
 
     def _required(self) -> set[tuple[str, int]]:
         return {(k, lr) for k in self.members for lr in range(self.nodes[k].local_world_size)}

@@ -9,11 +9,12 @@ import msgpack
 
 from prime_mesh.deadline import CollectiveDeadline
 from prime_mesh.epoch import Epoch, retire
-from prime_mesh.errors import CoordinatorGone, CoordinatorLost, MeshClosed, MeshError
+from prime_mesh.errors import CoordinatorGone, CoordinatorLost, MeshError
 from prime_mesh.install import admit, install
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.progress import validate_progress
-from prime_mesh.reconnect import open_session, recover
+from prime_mesh.reconnect import recover
+from prime_mesh.session import Session
 from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh")
@@ -62,38 +63,22 @@ class ElasticDeviceMesh:
         key = resolve_token(token)
         if coordinator_grace_s < 0:
             raise ValueError(f"coordinator_grace_s must be >= 0, got {coordinator_grace_s}")
-        if not 0 < heartbeat_interval < heartbeat_timeout:
-            raise ValueError(
-                f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
-            )
-        self.metadata = dict(metadata or {})
-        try:
-            msgpack.packb(self.metadata)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"metadata must hold plain values (str, numbers, lists, dicts): {e}"
-            ) from None
+        self.metadata = _checked(metadata, heartbeat_interval, heartbeat_timeout)
         self.local_rank, self.local_world_size = local_env(local_rank, local_world_size)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self._join_timeout = join_timeout
-        self._pg_timeout = pg_timeout
-        self._latest: Epoch | None = None
-        self._epoch: Epoch | None = None
+        self._epoch: Epoch | None = None  # the installed epoch, whose group _pg is
         self._pg: Any = None
         self._suspect = False
         self._vote_seq = 0
-        self._closed = False
         self._ready = not wait_until_ready
         self._fresh = False  # admitted at a sync point the members passed, not yet used
-        self._joined: set[str] = set()  # node ids admitted at a members' sync point (so far)
-        self._connect_timeout = connect_timeout
         self._local_mesh: Any = None
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
         self.coordinator_grace_s = coordinator_grace_s
         self._outer: tuple[int, str] = (0, "")  # last committed outer step and weight hash
-        self._key = key
-        self._register = {
+        register = {
             "type": "register",
             "node_key": shared_node_key(self.local_world_size, node_key),
             "local_rank": self.local_rank,
@@ -101,21 +86,19 @@ class ElasticDeviceMesh:
             "metadata": self.metadata,
             "heartbeat_timeout": heartbeat_timeout,
         }
-        self._session_args = dict(
+        self._session = Session(
+            coordinator,
+            key,
+            register,
+            first={"ready": self._ready},
+            host=host,
+            local_rank=self.local_rank,
             heartbeat_interval=heartbeat_interval,
             heartbeat_timeout=heartbeat_timeout,
             connect_timeout=connect_timeout,
             pg_timeout=pg_timeout,
-            on_message=self._on_message,
-        )
-        self._client, reply, self._store = open_session(
-            coordinator, key, {**self._register, "ready": self._ready}, **self._session_args
         )
         try:
-            self.host = host or self._client.local_host
-            self.node_id: str = reply["node_id"]
-            if reply.get("epoch"):
-                self._on_message({"type": "epoch", "epoch": reply["epoch"]})
             log.info(
                 "%s local rank %d registered with %s (gloo host %s)",
                 self.node_id,
@@ -126,8 +109,18 @@ class ElasticDeviceMesh:
             if wait and self._ready:
                 self._admit(join_timeout)
         except BaseException:
-            self._client.close()
+            self._session.client.close()
             raise
+
+    @property
+    def node_id(self) -> str:
+        """This node's id in the run ("node-N"), the same on every local rank."""
+        return self._session.node_id
+
+    @property
+    def host(self) -> str:
+        """The address this local rank's gloo groups bind to and advertise."""
+        return self._session.host
 
     # ---- membership ----------------------------------------------------------------------
     def maybe_reinit_global_pg(self, admit_joiners: bool = True) -> bool:
@@ -150,11 +143,23 @@ class ElasticDeviceMesh:
         except CoordinatorLost as e:
             if not self._recoverable(e):
                 raise
-            recover(self, e)
+            self._recover(e)
             return True
 
     def _recoverable(self, e: CoordinatorLost) -> bool:
-        return not isinstance(e, CoordinatorGone) and self._epoch is not None and not self._closed
+        return (
+            not isinstance(e, CoordinatorGone)
+            and self._epoch is not None
+            and not self._session.closed
+        )
+
+    def _recover(self, cause: CoordinatorLost) -> None:
+        """Reconnect to a coordinator restarted at the same address and hold the re-formed
+        epoch's group (see `prime_mesh.reconnect`)."""
+        assert self._epoch is not None
+        self._fresh = False
+        grace = self.coordinator_grace_s
+        self._hold(*recover(self._session, self._epoch, self._outer, grace, cause))
 
     def note_outer_step(self, outer_step: int, outer_hash: str) -> None:
         """Tell the mesh the run's last committed outer step and the hash of its outer weights
@@ -179,11 +184,11 @@ class ElasticDeviceMesh:
             # collective that follows it: syncing again would wait for their *next* sync point
             # while they wait for us in the collective.
             self._fresh = False
-            if self._newer_than(self._epoch.number):  # what a stale sync request would return
-                assert self._latest is not None
-                self._install(self._latest)
+            latest = self._session.latest
+            if latest is not None and latest.number > self._epoch.number:
+                self._install(latest)  # what a stale sync request would return
             return True
-        reply = self._client.request(
+        reply = self._session.client.request(
             {
                 "type": "sync",
                 "epoch": self._epoch.number,
@@ -192,12 +197,13 @@ class ElasticDeviceMesh:
             },
             what="the other members to reach their sync point",
         )
-        self._on_message({"type": "epoch", "epoch": reply["epoch"]})
-        assert self._latest is not None
-        if self._latest.number == self._epoch.number:
+        self._session.note_epoch(reply["epoch"])
+        latest = self._session.latest
+        assert latest is not None
+        if latest.number == self._epoch.number:
             self._suspect = False
             return new
-        self._install(self._latest)
+        self._install(latest)
         return True
 
     def ready(self) -> None:
@@ -211,9 +217,9 @@ class ElasticDeviceMesh:
         self._check()
         if self._ready:
             return
-        self._client.request(
+        self._session.client.request(
             {"type": "ready"},
-            timeout=self._connect_timeout,
+            timeout=self._session.connect_timeout,
             what="the coordinator to acknowledge ready()",
         )
         self._ready = True
@@ -230,11 +236,7 @@ class ElasticDeviceMesh:
     def should_abort(self) -> bool:
         """True once a newer epoch exists than the one the current group belongs to."""
         self._check()
-        return (
-            self._epoch is not None
-            and self._latest is not None
-            and self._latest.number > self._epoch.number
-        )
+        return self._epoch is not None and self._session.newer_than(self._epoch.number)
 
     def should_commit(self, ok: bool) -> bool:
         """Vote at the end of a sync step: True only if every member of the epoch reported ok.
@@ -249,7 +251,7 @@ class ElasticDeviceMesh:
                 raise MeshError("not admitted yet: call maybe_reinit_global_pg() first")
             if not ok:
                 self._suspect = True
-            reply = self._client.request(
+            reply = self._session.client.request(
                 {
                     "type": "vote",
                     "epoch": self._epoch.number,
@@ -261,7 +263,7 @@ class ElasticDeviceMesh:
         except CoordinatorLost as e:
             if not self._recoverable(e):
                 raise
-            recover(self, e)  # the vote is lost with the coordinator: not committed here
+            self._recover(e)  # the vote is lost with the coordinator: not committed here
             log.info(
                 "%s: step not committed (the coordinator was lost during the vote)", self.node_id
             )
@@ -287,13 +289,13 @@ class ElasticDeviceMesh:
     def status(self) -> dict:
         """The coordinator's view: epoch, min_nodes and `nodes` (as `members()`)."""
         self._check()
-        return dict(self._client.request({"type": "status"})["status"])
+        return dict(self._session.client.request({"type": "status"})["status"])
 
     def report_progress(self, **numbers: float) -> None:
         """Show training numbers on the coordinator's status page (`step`, `loss`, ...: see
         `prime_mesh.progress.PROGRESS_FIELDS`); they ride on the next heartbeat. ValueError on
         an unknown field or a value that is not a finite number >= 0."""
-        self._client.queue_progress(validate_progress(numbers))
+        self._session.client.queue_progress(validate_progress(numbers))
 
     # ---- collective deadlines ------------------------------------------------------------
     def collective_timeout(self) -> float:
@@ -337,13 +339,11 @@ class ElasticDeviceMesh:
 
     def close(self) -> None:
         """Leave the run gracefully and at once; the other members see a new epoch."""
-        if self._closed:
+        if self._session.closed:
             return
-        self._closed = True
         if self._pg is not None:
             retire(self._pg)
-        self._client.leave()
-        self._client.close()
+        self._session.close()
         log.info("%s local rank %d left the run", self.node_id, self.local_rank)
 
     def __enter__(self) -> ElasticDeviceMesh:
@@ -354,9 +354,7 @@ class ElasticDeviceMesh:
 
     # ---- internals -----------------------------------------------------------------------
     def _check(self) -> None:
-        if self._closed:
-            raise MeshClosed("this ElasticDeviceMesh was closed; create a new one to join again")
-        self._client.check()
+        self._session.check()
 
     def _current(self) -> Epoch:
         """The installed epoch. A lost coordinator does not change it (its group still works
@@ -369,19 +367,33 @@ class ElasticDeviceMesh:
             raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
         return self._epoch
 
-    def _on_message(self, msg: dict) -> None:
-        if msg.get("type") == "epoch" and msg.get("epoch"):
-            e = Epoch.parse(msg["epoch"])
-            self._joined.update(e.joined)  # before a newer epoch replaces it in _latest
-            if self._latest is None or e.number > self._latest.number:
-                self._latest = e
-
-    def _newer_than(self, number: int) -> bool:
-        return self._latest is not None and self._latest.number > number
-
     def _admit(self, timeout: float | None) -> None:
-        admit(self, timeout)
+        self._hold(*admit(self._session, timeout))
+        self._fresh = self.node_id in self._session.joined
 
     def _install(self, target: Epoch) -> None:
         """Build the group of `target` (or of any newer epoch that appears meanwhile)."""
-        install(self, target)
+        self._hold(*install(self._session, target))
+
+    def _hold(self, pg: Any, epoch: Epoch) -> None:
+        """Use `pg`, the group of `epoch`, from now on (the old one is retired)."""
+        if self._pg is not None:
+            retire(self._pg)
+        self._pg, self._epoch = pg, epoch
+        self._vote_seq, self._suspect = 0, False
+
+
+def _checked(metadata: dict | None, heartbeat_interval: float, heartbeat_timeout: float) -> dict:
+    """A copy of `metadata`, once the arguments are known to be valid (else ValueError)."""
+    if not 0 < heartbeat_interval < heartbeat_timeout:
+        raise ValueError(
+            f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
+        )
+    metadata = dict(metadata or {})
+    try:
+        msgpack.packb(metadata)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"metadata must hold plain values (str, numbers, lists, dicts): {e}"
+        ) from None
+    return metadata

@@ -15,10 +15,7 @@ is not applied: it only gates the first formation of a run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from prime_mesh.membership import Membership
+from typing import Any
 
 
 class Refused(Exception):
@@ -70,6 +67,13 @@ class Resume:
             )
         return cls(node_id, epoch, tuple(members), outer_step, outer_hash)
 
+    @property
+    def highest_number(self) -> int:
+        """The highest N among its members' ids ("node-N"; 0 if none): fresh node ids must
+        not take the id of a member that has yet to reconnect."""
+        nums = [m.rpartition("-")[2] for m in self.members]
+        return max((int(n) for n in nums if n.isdigit()), default=0)
+
 
 def expected_ids(resumes: list[Resume]) -> set[str]:
     """The members of the newest epoch any reconnected node reports: who the re-formed run
@@ -99,51 +103,56 @@ def choose(resumes: list[Resume]) -> tuple[list[Resume], list[tuple[Resume, str]
     return adopted, away
 
 
-def resume_of(m: Membership, key: str, raw: Any) -> Resume | None:
+def resume_of(raw: Any, *, epoch: int, other_ids: set[str]) -> Resume | None:
     """The resume record of a node reconnecting after a coordinator restart (None for a
-    plain registration). Only a coordinator that formed no epoch yet re-forms a run."""
+    plain registration), checked against the coordinator's `epoch` and the node ids its other
+    nodes hold. Only a coordinator that formed no epoch yet re-forms a run."""
     if raw is None:
         return None
     try:
         resume = Resume.parse(raw)
     except ResumeError as e:
         raise Refused(str(e)) from None
-    if m.epoch:
+    if epoch:
         raise Rejoin(
-            f"the run already re-formed (epoch {m.epoch}) without {resume.node_id}; "
+            f"the run already re-formed (epoch {epoch}) without {resume.node_id}; "
             "rejoin through live recovery (rerun the same command)"
         )
-    if any(n.node_id == resume.node_id for k, n in m.nodes.items() if k != key):
+    if resume.node_id in other_ids:
         raise Refused(f"{resume.node_id} already reconnected with another node key")
-    # fresh node ids must not take the id of a member that has yet to reconnect
-    for member in resume.members:
-        num = member.rpartition("-")[2]
-        if num.isdigit():
-            m._seq = max(m._seq, int(num))
     return resume
 
 
-def maybe_reform(m: Membership, resumes: list[Resume]) -> None:
-    """Re-form the run from reconnected nodes once every member of the newest reported
-    epoch is back or `reform_wait` passed (see `prime_mesh.reform`); min_nodes is not
-    applied, and plain joiners wait for the members' next sync point."""
-    if m._reform_since is None:
-        m._reform_since = m.clock()
+@dataclass(frozen=True)
+class ReformPlan:
+    """What a coordinator that formed no epoch yet does with the reconnected nodes (the
+    membership applies it): number its next epoch above `above_epoch`, make `adopted` (node
+    ids, in the old rank order) its members, and evict each of `away` with its reason."""
+
+    above_epoch: int
+    adopted: tuple[str, ...]
+    away: tuple[tuple[str, str], ...]  # (node id, why it must rejoin)
+    why: str  # for the log
+    event: tuple[str, str, str]  # for the status page's history: (kind, node ids, reason)
+
+
+def plan_reform(resumes: list[Resume], waited: float, reform_wait: float) -> ReformPlan | None:
+    """The re-formation from reconnected nodes once every member of the newest reported
+    epoch is back or `reform_wait` passed (`waited` seconds since the first came back), else
+    None (wait on). min_nodes is not applied, and plain joiners wait for the members' next
+    sync point."""
     back = {r.node_id for r in resumes}
-    waited = m.clock() - m._reform_since
-    if not expected_ids(resumes) <= back and waited < m.reform_wait:
-        return
+    if not expected_ids(resumes) <= back and waited < reform_wait:
+        return None
     adopted, away = choose(resumes)
-    by_id = {n.node_id: n for n in m.nodes.values()}
-    m._reform_since = None
-    m.epoch = max(r.epoch for r in resumes)  # _new_epoch numbers above it
     ids = ", ".join(r.node_id for r in adopted)
     missing = sorted(expected_ids(resumes) - back)
-    m._new_epoch(
-        [by_id[r.node_id].key for r in adopted],
-        f"re-formed after a coordinator restart at outer step {adopted[0].outer_step}"
+    step = adopted[0].outer_step
+    return ReformPlan(
+        above_epoch=max(r.epoch for r in resumes),
+        adopted=tuple(r.node_id for r in adopted),
+        away=tuple((r.node_id, why) for r, why in away),
+        why=f"re-formed after a coordinator restart at outer step {step}"
         + (f" (not back after {waited:.0f}s: {', '.join(missing)})" if missing else ""),
-        ("reformed", ids, f"reconnected at outer step {adopted[0].outer_step}"),
+        event=("reformed", ids, f"reconnected at outer step {step}"),
     )
-    for r, why in away:  # not members: no new epoch; the node is told why
-        m.evict(by_id[r.node_id], why)
