@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prime_mesh.address import check_name
 from prime_mesh.progress import History, public_metadata
-from prime_mesh.reform import Refused, Rejoin, Resume, plan_reform, resume_of
+from prime_mesh.reform import NameTaken, Refused, Rejoin, Resume, plan_reform, resume_of
 
 log = logging.getLogger("prime_mesh.coordinator")
 
@@ -114,14 +115,27 @@ class Membership:
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
         hb = float(min(max(hb, 0.1), 3600.0))
-        others = {n.node_id for k, n in self.nodes.items() if k != key}
-        resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=others)
+        name = msg.get("name")
+        if name is not None:
+            try:
+                check_name(name)
+            except ValueError as e:
+                raise Refused(str(e)) from None
+        others = {n.node_id: n for k, n in self.nodes.items() if k != key}
+        resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=set(others))
         if resume is not None:
             self._seq = max(self._seq, resume.highest_number)
         node = self.nodes.get(key)
         if node is None:
-            self._seq += resume is None  # a reconnected node keeps its id
-            node = Node(key, resume.node_id if resume else f"node-{self._seq}", lws, metadata, hb)
+            if resume is not None:  # a reconnected node keeps its id
+                node_id = resume.node_id
+            elif name is not None:
+                if name in others:
+                    raise NameTaken(self._name_held(others[name]))
+                node_id = name
+            else:
+                node_id = self._fresh_id(set(others))
+            node = Node(key, node_id, lws, metadata, hb)
             node.resume = resume
             self.nodes[key] = node
         elif node.local_world_size != lws or lr in node.conns:
@@ -140,6 +154,25 @@ class Membership:
             log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
         self._maybe_queue(node)
         return node
+
+    def _fresh_id(self, taken: set[str]) -> str:
+        """The next "node-N" for a node registered without a name (never a live node's)."""
+        while True:
+            self._seq += 1
+            if f"node-{self._seq}" not in taken:
+                return f"node-{self._seq}"
+
+    def _name_held(self, holder: Node) -> str:
+        """Why a registration under `holder`'s name is refused while `holder` is live."""
+        ages = [self.clock() - t for t in holder.last_seen.values()]
+        seen = f"last heartbeat {max(ages):.1f} s ago" if ages else "no heartbeat yet"
+        return (
+            f"the node name {holder.node_id!r} is held by a live node of this run "
+            f"({self.state_of(holder)}, registered from {holder.address or 'unknown'}, {seen}): "
+            "give this node a name of its own (prime-train: --mesh.node_name), or stop the "
+            "other one. A node restarted under its name after it died takes it back once the "
+            f"coordinator has evicted the old one (heartbeat timeout {holder.heartbeat_timeout:g} s)"
+        )
 
     def ready(self, node: Node, lr: int) -> None:
         """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgpack
 
+from prime_mesh.address import check_name, node_host
 from prime_mesh.deadline import CollectiveDeadline
 from prime_mesh.epoch import Epoch, retire
 from prime_mesh.errors import CoordinatorGone, CoordinatorLost, MeshError
@@ -39,6 +40,13 @@ class ElasticDeviceMesh:
     same address for up to `coordinator_grace_s` seconds and the restarted coordinator
     re-forms the run (see `prime_mesh.reconnect`); past the grace it raises CoordinatorGone.
     Tell the mesh each committed outer step with `note_outer_step` so it can say where it is.
+
+    `name` is the node's id in the run (logs, `members()`, the status page; else "node-N"):
+    unique among its live nodes. Registering under a name a live node holds raises
+    MeshNameTaken, after waiting one heartbeat timeout for the coordinator to evict a holder
+    that died (a node restarted under its own name takes it back). `host` is the address this
+    node's gloo groups bind and advertise; without it, the address of the interface that
+    reaches the coordinator (see `prime_mesh.address`).
     """
 
     def __init__(
@@ -56,11 +64,15 @@ class ElasticDeviceMesh:
         wait: bool = True,
         wait_until_ready: bool = False,
         join_timeout: float | None = None,
+        name: str | None = None,
         connect_timeout: float = 10.0,
         pg_timeout: float = 600.0,
         coordinator_grace_s: float = 120.0,
     ) -> None:
         key = resolve_token(token)
+        if name is not None:
+            check_name(name)
+        host = node_host(coordinator, host)
         if coordinator_grace_s < 0:
             raise ValueError(f"coordinator_grace_s must be >= 0, got {coordinator_grace_s}")
         self.metadata = _checked(metadata, heartbeat_interval, heartbeat_timeout)
@@ -86,6 +98,8 @@ class ElasticDeviceMesh:
             "metadata": self.metadata,
             "heartbeat_timeout": heartbeat_timeout,
         }
+        if name is not None:
+            register["name"] = name
         self._session = Session(
             coordinator,
             key,
@@ -114,7 +128,7 @@ class ElasticDeviceMesh:
 
     @property
     def node_id(self) -> str:
-        """This node's id in the run ("node-N"), the same on every local rank."""
+        """This node's id in the run (its `name`, else "node-N"), the same on every local rank."""
         return self._session.node_id
 
     @property
