@@ -151,11 +151,23 @@ class LaunchConfig(Section):
 
 class MeshConfig(Section):
     coordinator: str | None = Field(None, description="HOST:PORT of the mesh coordinator")
-    host: str | None = Field(None, description="address peers use to reach this node")
+    host: str | None = Field(
+        None,
+        description="address peers use to reach this node (default: the address of the "
+        "interface that reaches the coordinator)",
+    )
+    serve_port: int = Field(
+        0,
+        ge=0,
+        lt=65536,
+        description="TCP port of the server sharing this node's checkpoints with joining "
+        "peers (0: a free one; the local launcher's node K uses serve_port + K)",
+    )
     node_name: str | None = Field(
         None,
-        description="this node's name, the same across restarts (default: the host name, "
-        "plus '-K' for the local launcher's node K); names its remote checkpoint prefix",
+        description="this node's name in the run, unique, the same across restarts (default: "
+        "the host name plus '-K' for the local launcher's node K, else plus a short hash of "
+        "the checkpoint folder); names its remote checkpoint prefix",
     )
     heartbeat_interval_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
     heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="silence before eviction")
