@@ -100,6 +100,17 @@ class Membership:
             if msg.get("resume") is not None:  # cut off or stalled while this coordinator ran
                 raise Rejoin("this node was evicted; rejoin through live recovery")
             raise Refused("this node was evicted; create a new ElasticDeviceMesh to rejoin")
+        name = msg.get("name")
+        if name is not None:  # first: a name taken is the clearest reason to refuse
+            try:
+                check_name(name)
+            except ValueError as e:
+                raise Refused(str(e)) from None
+            holder = next(
+                (n for k, n in self.nodes.items() if k != key and n.node_id == name), None
+            )
+            if holder is not None and msg.get("resume") is None:
+                raise NameTaken(self._name_held(holder))
         run = self._run_node(exclude=key)
         if run is not None and run.local_world_size != lws:
             raise Refused(
@@ -115,12 +126,6 @@ class Membership:
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
         hb = float(min(max(hb, 0.1), 3600.0))
-        name = msg.get("name")
-        if name is not None:
-            try:
-                check_name(name)
-            except ValueError as e:
-                raise Refused(str(e)) from None
         others = {n.node_id: n for k, n in self.nodes.items() if k != key}
         resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=set(others))
         if resume is not None:
@@ -130,8 +135,6 @@ class Membership:
             if resume is not None:  # a reconnected node keeps its id
                 node_id = resume.node_id
             elif name is not None:
-                if name in others:
-                    raise NameTaken(self._name_held(others[name]))
                 node_id = name
             else:
                 node_id = self._fresh_id(set(others))
