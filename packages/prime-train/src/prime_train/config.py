@@ -200,8 +200,10 @@ class DilocoConfig(Section):
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer steps")
     outer_lr: float = Field(0.7, gt=0.0, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer Nesterov momentum")
-    compression: Literal["uint8", "none"] = Field(
-        "uint8", description="pseudo-gradient all-reduce: 'uint8' or 'none' (float32)"
+    compression: Literal["uint8", "uint4", "uint2", "none"] = Field(
+        "uint8",
+        description="pseudo-gradient all-reduce: 'uint8', 'uint4' or 'uint2' (8, 4 or 2 bits "
+        "per element, blockwise codebooks) or 'none' (float32)",
     )
     overlap: Literal["none", "delayed"] = Field(
         "none",
