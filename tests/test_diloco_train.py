@@ -174,11 +174,20 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children):
+@pytest.mark.parametrize(
+    "how",
+    [
+        [],  # the round's end is near: both stop together at the next outer boundary
+        # the round's end is too far: both leave at once and save the last outer step
+        ["--train.stop_within_s", "0", "--ckpt.every", "0", "--diloco.inner_steps", "30"],
+    ],
+    ids=["at-the-boundary", "leave-at-once"],
+)
+def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children, how):
     def run_nodes(runs, stop_after_outer=None):
         coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
         try:
-            args = cli_args(runs, token_cache, "--launch.local_nodes", "2")
+            args = cli_args(runs, token_cache, "--launch.local_nodes", "2", *how)
             procs = []
             for k in range(2):
                 # register in node order: ranks (and so float summation order) match across runs
@@ -204,6 +213,10 @@ def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children):
     assert run_nodes(split, stop_after_outer=1) == [0, 0]
     stopped_at = max(r["step"] for r in read_metrics(split / "debug" / "metrics.jsonl"))
     assert stopped_at < 60, "the run was not stopped early"
+    if how:  # each node left mid-round with the state of the last outer step, its own included
+        for k in range(2):
+            log = (tmp_path / f"split-{k}.log").read_text()
+            assert "left the mesh and checkpointed step 30" in log, log[-2000:]
     assert run_nodes(split) == [0, 0]
 
     def losses(runs, node):

@@ -98,6 +98,13 @@ class TrainConfig(Section):
     compile: bool = Field(False, description="torch.compile each transformer block")
     cpu_offload: bool = Field(False, description="FSDP2 CPU offload of parameters and grads")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+    stop_within_s: float = Field(
+        25.0,
+        ge=0.0,
+        description="a stop signal mid-round (a multi-node run): stop at the round's end if "
+        "that comes within this many seconds, else leave the mesh at once and save the last "
+        "committed outer step",
+    )
 
 
 class OptimConfig(Section):
@@ -270,7 +277,7 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "run": ("log_every", "runs_dir", "trackers"),  # trackers: where a run is watched from
     "data": ("cache_dir", "workers"),  # workers: how fast tokens are made, not which
     "launch": ("status_port",),
-    "train": ("threads", "device"),
+    "train": ("threads", "device", "stop_within_s"),
     "ckpt": ("dir", "shm_dir", "remote", "keep"),
     "diloco": ("max_rejoins", "rejoin_wait_s"),  # a node's own patience, not the math
 }
