@@ -22,6 +22,7 @@ from prime_testkit import (
     outer_by_step,
     outer_rows,
     start_cli_node,
+    start_coordinator_cli,
     wait_until,
 )
 from prime_train.metrics import read_metrics
@@ -29,16 +30,6 @@ from prime_train.metrics import read_metrics
 TOKEN = "coordinator-restart-test-token"
 H = 10
 STEPS = 100
-
-
-def start_coordinator_cli(children, port: int, log: Path) -> subprocess.Popen:
-    """`prime-mesh coordinator` on 127.0.0.1:`port` for 2 nodes, its output appended to `log`."""
-    args = ["coordinator", "--host", "127.0.0.1", "--port", str(port), "--min-nodes", "2"]
-    with open(log, "a") as out:
-        return children.popen(
-            [sys.executable, "-m", "prime_mesh.cli", *args],
-            env=dict(os.environ, PRIME_TOKEN=TOKEN), stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
 
 
 def status(port: int) -> str:
@@ -60,7 +51,7 @@ def node(
 
 
 def start_run(children, tmp_path, port, cache, grace, extra: tuple[str, ...] = ()):
-    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log")
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN)
     folders = [tmp_path / f"node{k}" for k in range(2)]
     nodes = [node(children, f, port, cache, grace, extra) for f in folders]
     return coord, folders, nodes
@@ -86,7 +77,9 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path, token_cache, childre
         wait_until(lambda f=f: "coordinator_grace_s" in f.with_suffix(".log").read_text(), 120,
                    what=f"{f.name} waiting for the coordinator")  # fmt: skip
     assert all(p.poll() is None for p in nodes), log_tails(tmp_path)
-    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log")  # the same again
+    coord = start_coordinator_cli(
+        children, port, tmp_path / "coordinator.log", TOKEN
+    )  # the same again
     wait_until(lambda: "epoch 2, 2 members" in status(port), 120, what="the run re-formed")
     codes = [p.wait(timeout=400) for p in nodes]
     coord.send_signal(signal.SIGTERM)
@@ -128,7 +121,7 @@ def test_coordinator_gone_past_the_grace_checkpoints_and_the_rerun_resumes(
         if r["step"] <= step
     }
 
-    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log")
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN)
     nodes = [node(children, f, port, token_cache, grace=3, extra=extra) for f in folders]
     codes = [p.wait(timeout=400) for p in nodes]
     coord.send_signal(signal.SIGTERM)

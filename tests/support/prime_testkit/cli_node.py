@@ -142,3 +142,17 @@ def run_local_nodes(
         return [p.wait(timeout=200) for p in procs]
     finally:
         coord.close()
+
+
+def start_coordinator_cli(
+    children: Children, port: int, log: Path, token: str, min_nodes: int = 2
+) -> subprocess.Popen:
+    """`prime-mesh coordinator` on 127.0.0.1:`port` for `min_nodes` nodes, as its own process,
+    its output appended to `log`."""
+    args = ["coordinator", "--host", "127.0.0.1", "--port", str(port),
+            "--min-nodes", str(min_nodes)]  # fmt: skip
+    with open(log, "a") as out:
+        return children.popen(
+            [sys.executable, "-m", "prime_mesh.cli", *args],
+            env=dict(os.environ, PRIME_TOKEN=token), stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
