@@ -17,6 +17,7 @@ from prime_comm.reference import (
     quantize_ref,
     unpack_codes_ref,
 )
+from prime_testkit.fixed_data import pseudo_random
 
 BLOCK = prime_comm.BLOCK
 LOW = [4, 2]
@@ -168,14 +169,6 @@ def test_output_identical_for_any_thread_count_and_simd_path():
     finally:
         prime_comm.set_num_threads(before)
         _kernels.set_simd(simd)
-
-
-def pseudo_random(n: int) -> torch.Tensor:
-    """Uniform-looking floats from exact integer arithmetic: the same on every machine."""
-    i = torch.arange(n, dtype=torch.int64)
-    s = (i * 2654435761 + 12345) % 1000003
-    s = (s * s + 7919 * i) % 1000003
-    return (s.to(torch.float64) / 1000003 - 0.5).float()
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ than one test file uses lives here, once, one module per concern.
   `outer_hashes` (its outer steps), `trace` (what a resumed run must reproduce: by
   default the `TRACED` values),
   `log_tails` (every log of a test's folder, for a failing assertion).
+- fixed_data: `pseudo_random`, floats that are the same on every machine (pinned digests).
 - mesh: prime-mesh's coordinator from a test: `node_states`, and `FakeConn` / `FakeClock`
   that drive its Membership state machine without sockets. The prime-mesh tests' conftest.py
   has the `coordinator` fixture (the module's TOKEN and MIN_NODES).
