@@ -98,10 +98,11 @@ class Membership:
         ]
 
     def close(self) -> None:
-        """Leave the mesh gracefully and stop serving checkpoints."""
+        """Leave the mesh gracefully and stop serving checkpoints (again: a no-op)."""
         self.mesh.close()
         if self.server is not None:
             self.server.close()
+            self.server = None
 
 
 def register(
