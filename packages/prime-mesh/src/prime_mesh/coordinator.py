@@ -18,7 +18,8 @@ import threading
 from typing import Any
 
 from prime_mesh.errors import MeshAuthError
-from prime_mesh.membership import Membership, Node, Refused
+from prime_mesh.membership import Membership, Refused
+from prime_mesh.node import Node
 from prime_mesh.wire import Channel, resolve_token, server_handshake
 
 log = logging.getLogger("prime_mesh.coordinator")

@@ -25,44 +25,14 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from prime_mesh.address import check_name
+from prime_mesh.node import Conn, Node, name_held
 from prime_mesh.progress import History, public_metadata
 from prime_mesh.reform import NameTaken, Refused, Rejoin, Resume, plan_reform, resume_of
 
 log = logging.getLogger("prime_mesh.coordinator")
-
-
-class Conn(Protocol):
-    peer: str
-
-    def send(self, msg: dict) -> None: ...
-    def close_after_flush(self) -> None: ...
-
-
-@dataclass
-class Node:
-    key: str
-    node_id: str
-    local_world_size: int
-    metadata: dict
-    heartbeat_timeout: float
-    conns: dict[int, Conn] = field(default_factory=dict)
-    last_seen: dict[int, float] = field(default_factory=dict)
-    member: bool = False
-    address: str = ""  # as the coordinator sees local rank 0's connection
-    ready_ranks: set[int] = field(default_factory=set)
-    resume: Resume | None = None  # reconnected after a coordinator restart (see reform)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.conns) == self.local_world_size
-
-    @property
-    def ready(self) -> bool:
-        return len(self.ready_ranks) == self.local_world_size
 
 
 class Membership:
@@ -110,7 +80,7 @@ class Membership:
                 (n for k, n in self.nodes.items() if k != key and n.node_id == name), None
             )
             if holder is not None and msg.get("resume") is None:
-                raise NameTaken(self._name_held(holder))
+                raise NameTaken(name_held(holder, self.state_of(holder), self.clock()))
         run = self._run_node(exclude=key)
         if run is not None and run.local_world_size != lws:
             raise Refused(
@@ -164,18 +134,6 @@ class Membership:
             self._seq += 1
             if f"node-{self._seq}" not in taken:
                 return f"node-{self._seq}"
-
-    def _name_held(self, holder: Node) -> str:
-        """Why a registration under `holder`'s name is refused while `holder` is live."""
-        ages = [self.clock() - t for t in holder.last_seen.values()]
-        seen = f"last heartbeat {max(ages):.1f} s ago" if ages else "no heartbeat yet"
-        return (
-            f"the node name {holder.node_id!r} is held by a live node of this run "
-            f"({self.state_of(holder)}, registered from {holder.address or 'unknown'}, {seen}): "
-            "give this node a name of its own (prime-train: --mesh.node_name), or stop the "
-            "other one. A node restarted under its name after it died takes it back once the "
-            f"coordinator has evicted the old one (heartbeat timeout {holder.heartbeat_timeout:g} s)"
-        )
 
     def ready(self, node: Node, lr: int) -> None:
         """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgpack
-
 from prime_mesh.address import check_name, node_host
 from prime_mesh.deadline import CollectiveDeadline
 from prime_mesh.epoch import Epoch, retire
@@ -15,7 +13,7 @@ from prime_mesh.install import admit, install
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.progress import validate_progress
 from prime_mesh.reconnect import recover
-from prime_mesh.session import Session
+from prime_mesh.session import Session, checked_metadata
 from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh")
@@ -75,7 +73,7 @@ class ElasticDeviceMesh:
         host = node_host(coordinator, host)
         if coordinator_grace_s < 0:
             raise ValueError(f"coordinator_grace_s must be >= 0, got {coordinator_grace_s}")
-        self.metadata = _checked(metadata, heartbeat_interval, heartbeat_timeout)
+        self.metadata = checked_metadata(metadata, heartbeat_interval, heartbeat_timeout)
         self.local_rank, self.local_world_size = local_env(local_rank, local_world_size)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -395,19 +393,3 @@ class ElasticDeviceMesh:
             retire(self._pg)
         self._pg, self._epoch = pg, epoch
         self._vote_seq, self._suspect = 0, False
-
-
-def _checked(metadata: dict | None, heartbeat_interval: float, heartbeat_timeout: float) -> dict:
-    """A copy of `metadata`, once the arguments are known to be valid (else ValueError)."""
-    if not 0 < heartbeat_interval < heartbeat_timeout:
-        raise ValueError(
-            f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
-        )
-    metadata = dict(metadata or {})
-    try:
-        msgpack.packb(metadata)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"metadata must hold plain values (str, numbers, lists, dicts): {e}"
-        ) from None
-    return metadata

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Any
 
+import msgpack
+
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.epoch import Epoch, connect_store
 from prime_mesh.errors import MeshClosed, MeshNameTaken
@@ -138,3 +140,22 @@ class Session:
         self.closed = True
         self.client.leave()
         self.client.close()
+
+
+def checked_metadata(
+    metadata: dict | None, heartbeat_interval: float, heartbeat_timeout: float
+) -> dict:
+    """A copy of a registration's `metadata`, once the arguments are known to be valid (else
+    ValueError)."""
+    if not 0 < heartbeat_interval < heartbeat_timeout:
+        raise ValueError(
+            f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
+        )
+    metadata = dict(metadata or {})
+    try:
+        msgpack.packb(metadata)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"metadata must hold plain values (str, numbers, lists, dicts): {e}"
+        ) from None
+    return metadata
