@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import sys
 import threading
@@ -54,13 +55,21 @@ class RetiredGroups:
     retired groups every `interval` seconds while there are any: a group that only this list
     holds (the caller dropped its `global_pg`, and with it any use of the group) is dropped
     in a short-lived thread of its own, where any wait stays.
+
+    At exit, sweeping stops and releases under way are given `exit_wait` seconds to end: a
+    thread that finished a release while the interpreter shuts down would abort the process
+    (it cannot take the GIL back inside the group's destructor). Groups still retired then
+    go with the interpreter's own clean-up, as they did when groups were never released.
     """
 
-    def __init__(self, interval: float = 0.5) -> None:
-        self.interval = interval
+    def __init__(self, interval: float = 0.5, exit_wait: float = 10.0) -> None:
+        self.interval, self.exit_wait = interval, exit_wait
         self._groups: list[Any] = []
         self._lock = threading.Lock()
         self._watching = False
+        self._closing = False
+        self._releasing: list[threading.Thread] = []
+        atexit.register(self._at_exit)
 
     def add(self, pg: Any) -> None:
         with self._lock:
@@ -79,12 +88,26 @@ class RetiredGroups:
     def sweep(self) -> int:
         """Release every group nothing else holds (in a new thread); returns how many."""
         with self._lock:
+            if self._closing:
+                return 0
             groups = self._groups
             unused = [i for i in range(len(groups)) if _refs(groups, i) <= _ONLY_LISTED]
             done = [groups.pop(i) for i in reversed(unused)]
-        if done:
-            threading.Thread(target=done.clear, name="mesh-release-groups", daemon=True).start()
+            if done:
+                release = threading.Thread(
+                    target=done.clear, name="mesh-release-groups", daemon=True
+                )
+                self._releasing = [t for t in self._releasing if t.is_alive()] + [release]
+                release.start()
         return len(unused)
+
+    def _at_exit(self) -> None:
+        with self._lock:
+            self._closing = True
+            releasing = list(self._releasing)
+        deadline = time.monotonic() + self.exit_wait
+        for t in releasing:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _watch(self) -> None:
         while True:
