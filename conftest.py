@@ -20,6 +20,13 @@ def port():
     return free_port()
 
 
+@pytest.fixture(scope="module")
+def token_cache(tmp_path_factory):
+    """A token cache folder (`--data.cache_dir`) shared by the tests of one module: the first
+    run tokenizes the corpus, the later ones reuse it."""
+    return tmp_path_factory.mktemp("token-cache")
+
+
 @pytest.fixture(scope="session")
 def rank_pool():
     """Four rank processes in one gloo world, started at first use and shared by every test

@@ -178,7 +178,7 @@ def bench_s3(state, root: Path) -> dict:
         proc.wait()
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -195,6 +195,72 @@ def main() -> int:
     a = p.parse_args()
     if a.saves < 3:
         p.error("--saves must be at least 3 (the median is over saves 3..N)")
+    return a
+
+
+def measure(state: dict, root: Path, a: argparse.Namespace) -> dict:
+    """Every timing of the run on `state` in `root`: the torch.save baseline, a RAM copy,
+    prime-ckpt, DCP async_save and (with --s3) the upload."""
+    print("torch.save + fsync (baseline):", flush=True)
+    base = []
+    for i in range(3):
+        base.append(torch_save_fsync(state, root / "torch.pt"))
+        print(f"  torch.save {i + 1}: {base[-1]:.2f}s", flush=True)
+    base_s = statistics.median(base)
+    copy_s = copy_rate(state)
+
+    print("prime-ckpt:", flush=True)
+    pr = bench_prime(state, root, a.saves)
+    print("torch.distributed.checkpoint.async_save:", flush=True)
+    dc = bench_dcp(state, root, a.dcp_saves)
+
+    s3 = None
+    if a.s3:
+        print("S3 upload (moto on 127.0.0.1):", flush=True)
+        s3 = bench_s3(state, root)
+    return {"base_s": base_s, "copy_s": copy_s, "prime": pr, "dcp": dc, "s3": s3}
+
+
+def print_summary(size: int, saves: int, m: dict) -> None:
+    """The figures of `measure`, each as a ratio of the baseline measured in the same run."""
+    base_s, copy_s, pr, dc, s3 = m["base_s"], m["copy_s"], m["prime"], m["dcp"], m["s3"]
+    steady = statistics.median(pr["blocking"][2:])
+    dcp_steady = statistics.median(dc["blocking"][2:] or dc["blocking"])
+    gib = size / 2**30
+    print("\n== summary ==")
+    print(f"state size                          {gib:.3f} GiB")
+    print(f"torch.save + fsync                  {base_s:.3f} s (1.00x)")
+    print(
+        f"prime-ckpt save() blocking, saves 3..{saves} median "
+        f"{steady:.3f} s = {steady / base_s:.3f}x torch.save (bar 0.1x, goal 0.05x)"
+    )
+    print(
+        f"prime-ckpt first save() blocking    {pr['blocking'][0]:.3f} s = {pr['blocking'][0] / base_s:.3f}x"
+    )
+    print(
+        f"dcp.async_save blocking (median)    {dcp_steady:.3f} s = {dcp_steady / base_s:.3f}x "
+        f"(prime-ckpt is {dcp_steady / steady:.1f}x shorter)"
+    )
+    print(
+        f"staging rate                        {gib / steady:.2f} GiB/s vs torch copy_ "
+        f"{gib / copy_s:.2f} GiB/s ({copy_s / steady:.2f}x of copy_)"
+    )
+    print(
+        f"prime-ckpt time until durable       {statistics.median(pr['durable']):.2f} s "
+        f"(median) = {statistics.median(pr['durable']) / base_s:.2f}x torch.save"
+    )
+    print(f"dcp.async_save time until done      {statistics.median(dc['durable']):.2f} s (median)")
+    if s3:
+        gib_up = s3["bytes"] / 2**30
+        print(
+            f"S3 upload after durable (moto)      {s3['upload']:.2f} s = "
+            f"{gib_up / s3['upload']:.2f} GiB/s vs s3fs put_file of the same bytes "
+            f"{s3['raw']:.2f} s ({s3['raw'] / s3['upload']:.2f}x its rate)"
+        )
+
+
+def main() -> int:
+    a = parse_args()
     warnings.filterwarnings("ignore")
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=a.dir))
     try:
@@ -203,59 +269,7 @@ def main() -> int:
         print(
             f"state: {size / 2**30:.3f} GiB in {sum(1 for _ in tensors(state))} tensors; disk folder {root}"
         )
-
-        print("torch.save + fsync (baseline):", flush=True)
-        base = []
-        for i in range(3):
-            base.append(torch_save_fsync(state, root / "torch.pt"))
-            print(f"  torch.save {i + 1}: {base[-1]:.2f}s", flush=True)
-        base_s = statistics.median(base)
-        copy_s = copy_rate(state)
-
-        print("prime-ckpt:", flush=True)
-        pr = bench_prime(state, root, a.saves)
-        print("torch.distributed.checkpoint.async_save:", flush=True)
-        dc = bench_dcp(state, root, a.dcp_saves)
-
-        s3 = None
-        if a.s3:
-            print("S3 upload (moto on 127.0.0.1):", flush=True)
-            s3 = bench_s3(state, root)
-        steady = statistics.median(pr["blocking"][2:])
-        dcp_steady = statistics.median(dc["blocking"][2:] or dc["blocking"])
-        gib = size / 2**30
-        print("\n== summary ==")
-        print(f"state size                          {gib:.3f} GiB")
-        print(f"torch.save + fsync                  {base_s:.3f} s (1.00x)")
-        print(
-            f"prime-ckpt save() blocking, saves 3..{a.saves} median "
-            f"{steady:.3f} s = {steady / base_s:.3f}x torch.save (bar 0.1x, goal 0.05x)"
-        )
-        print(
-            f"prime-ckpt first save() blocking    {pr['blocking'][0]:.3f} s = {pr['blocking'][0] / base_s:.3f}x"
-        )
-        print(
-            f"dcp.async_save blocking (median)    {dcp_steady:.3f} s = {dcp_steady / base_s:.3f}x "
-            f"(prime-ckpt is {dcp_steady / steady:.1f}x shorter)"
-        )
-        print(
-            f"staging rate                        {gib / steady:.2f} GiB/s vs torch copy_ "
-            f"{gib / copy_s:.2f} GiB/s ({copy_s / steady:.2f}x of copy_)"
-        )
-        print(
-            f"prime-ckpt time until durable       {statistics.median(pr['durable']):.2f} s "
-            f"(median) = {statistics.median(pr['durable']) / base_s:.2f}x torch.save"
-        )
-        print(
-            f"dcp.async_save time until done      {statistics.median(dc['durable']):.2f} s (median)"
-        )
-        if s3:
-            gib_up = s3["bytes"] / 2**30
-            print(
-                f"S3 upload after durable (moto)      {s3['upload']:.2f} s = "
-                f"{gib_up / s3['upload']:.2f} GiB/s vs s3fs put_file of the same bytes "
-                f"{s3['raw']:.2f} s ({s3['raw'] / s3['upload']:.2f}x its rate)"
-            )
+        print_summary(size, a.saves, measure(state, root, a))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if a.peer:

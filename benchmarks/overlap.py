@@ -188,7 +188,7 @@ def plot(runs: dict[str, dict], out: Path) -> str:
     return str(out)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--inner-steps", type=int, default=20)
@@ -201,22 +201,16 @@ def main() -> None:
     ap.add_argument("--png", type=Path, default=ROOT / "benchmarks" / "results" / "overlap.png")
     ap.add_argument("--burst", default="64kb", help="tbf bucket of the shaped links")
     ap.add_argument("--keep", type=Path, default=None, help="copy the run folders and logs here")
-    a = ap.parse_args()
-    from prime_netbed import WanBed, bed_unavailable_reason
+    return ap.parse_args()
 
-    reason = bed_unavailable_reason()
-    if reason:
-        print(f"benchmarks/overlap.py: skipped: {reason}")
-        return
-    import torch
 
-    from prime_comm import ring_bytes
+def measure(a: argparse.Namespace, numel: int, payload: float) -> tuple[float, float, dict]:
+    """Steps 1-3 of the docstring in a temp folder: the compute-only step seconds, the link
+    rate chosen from them, and each overlap mode's run; every log printed if one fails."""
+    from prime_netbed import WanBed
+
     from prime_testkit import Children
-    from prime_train.model import Transformer, model_args, num_params
 
-    with torch.device("meta"):
-        numel = num_params(Transformer(model_args("debug", dim=a.dim, n_layers=a.layers)))
-    payload = ring_bytes(numel, world=2) / 4 * 1.02  # uint8 plus codebooks, per node
     h = a.inner_steps
     with tempfile.TemporaryDirectory() as tmp:
         runs, cache, logs = Path(tmp) / "runs", Path(tmp) / "cache", Path(tmp) / "logs"
@@ -258,6 +252,12 @@ def main() -> None:
                 shutil.copytree(
                     tmp, a.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.npy", "ckpt*")
                 )
+    return step_s, rate, results
+
+
+def report(a: argparse.Namespace, step_s: float, rate: float, results: dict) -> None:
+    """The figures of both modes, from the compute-only step time measured inside the runs."""
+    h = a.inner_steps
     in_run_s = in_run_step_seconds(list(results.values()), a)
     none, dl = figures(results["none"], in_run_s, h), figures(results["delayed"], in_run_s, h)
     share = none["allreduce_s"] / (h * in_run_s)
@@ -288,6 +288,26 @@ def main() -> None:
     print(f"compute utilisation: none {none['utilisation']:.3f}, delayed {dl['utilisation']:.3f} "
           f"(goal >= 0.95 with overlap)")  # fmt: skip
     print(f"plot: {png}")
+
+
+def main() -> None:
+    a = parse_args()
+    from prime_netbed import bed_unavailable_reason
+
+    reason = bed_unavailable_reason()
+    if reason:
+        print(f"benchmarks/overlap.py: skipped: {reason}")
+        return
+    import torch
+
+    from prime_comm import ring_bytes
+    from prime_train.model import Transformer, model_args, num_params
+
+    with torch.device("meta"):
+        numel = num_params(Transformer(model_args("debug", dim=a.dim, n_layers=a.layers)))
+    payload = ring_bytes(numel, world=2) / 4 * 1.02  # uint8 plus codebooks, per node
+    step_s, rate, results = measure(a, numel, payload)
+    report(a, step_s, rate, results)
 
 
 if __name__ == "__main__":

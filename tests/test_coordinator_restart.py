@@ -13,22 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from prime_testkit import cli_node, free_port, wait_until
+from prime_testkit import (
+    debug_args,
+    folder_metrics,
+    free_port,
+    log_tails,
+    node_metrics,
+    outer_by_step,
+    outer_rows,
+    start_cli_node,
+    start_coordinator_cli,
+    wait_until,
+)
 from prime_train.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "coordinator-restart-test-token"
 H = 10
 STEPS = 100
-
-
-def coordinator(children, port: int, log: Path) -> subprocess.Popen:
-    args = ["coordinator", "--host", "127.0.0.1", "--port", str(port), "--min-nodes", "2"]
-    with open(log, "a") as out:
-        return children.popen(
-            [sys.executable, "-m", "prime_mesh.cli", *args],
-            env=dict(os.environ, PRIME_TOKEN=TOKEN), stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
 
 
 def status(port: int) -> str:
@@ -42,65 +43,49 @@ def status(port: int) -> str:
 def node(
     children, folder: Path, port: int, cache: Path, grace: float, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen:
-    argv, env = cli_node(
-        folder, coordinator=f"127.0.0.1:{port}", host="127.0.0.1", token=TOKEN, cache=cache,
-        steps=STEPS, inner_steps=H, env={"PRIME_MESH__COORDINATOR_GRACE_S": str(grace)},
-        args=extra,
+    return start_cli_node(
+        children, folder, coordinator=f"127.0.0.1:{port}",
+        host="127.0.0.1", token=TOKEN, cache=cache, steps=STEPS, inner_steps=H,
+        env={"PRIME_MESH__COORDINATOR_GRACE_S": str(grace)}, args=extra,
     )  # fmt: skip
-    with open(folder.with_suffix(".log"), "a") as out:
-        return children.popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=folder)
-
-
-def outer_rows(folder: Path) -> list[dict]:
-    return [
-        r for r in read_metrics(folder / "runs" / "debug" / "metrics.jsonl") if "outer_step" in r
-    ]
-
-
-def logs(tmp_path: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
-    )
 
 
 def start_run(children, tmp_path, port, cache, grace, extra: tuple[str, ...] = ()):
-    coord = coordinator(children, port, tmp_path / "coordinator.log")
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN)
     folders = [tmp_path / f"node{k}" for k in range(2)]
     nodes = [node(children, f, port, cache, grace, extra) for f in folders]
     return coord, folders, nodes
 
 
 def kill_after_outer_step(tmp_path, coord, folders, nodes, k: int) -> None:
-    wait_until(lambda: len(outer_rows(folders[0])) >= k or any(p.poll() is not None for p in nodes),
+    wait_until(lambda: len(outer_rows(folder_metrics(folders[0]))) >= k
+               or any(p.poll() is not None for p in nodes),
                300, what=f"outer step {k}")  # fmt: skip
-    assert all(p.poll() is None for p in nodes), logs(tmp_path)
+    assert all(p.poll() is None for p in nodes), log_tails(tmp_path)
     coord.send_signal(signal.SIGKILL)
     coord.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_coordinator_killed_and_restarted_mid_run(tmp_path, cache, children):
+def test_coordinator_killed_and_restarted_mid_run(tmp_path, token_cache, children):
     port = free_port()
-    coord, folders, nodes = start_run(children, tmp_path, port, cache, grace=120)
+    coord, folders, nodes = start_run(children, tmp_path, port, token_cache, grace=120)
     kill_after_outer_step(tmp_path, coord, folders, nodes, 2)
     # the nodes go on with their inner steps and wait at the next outer step
     for f in folders:
         wait_until(lambda f=f: "coordinator_grace_s" in f.with_suffix(".log").read_text(), 120,
                    what=f"{f.name} waiting for the coordinator")  # fmt: skip
-    assert all(p.poll() is None for p in nodes), logs(tmp_path)
-    coord = coordinator(children, port, tmp_path / "coordinator.log")  # the same command again
+    assert all(p.poll() is None for p in nodes), log_tails(tmp_path)
+    coord = start_coordinator_cli(
+        children, port, tmp_path / "coordinator.log", TOKEN
+    )  # the same again
     wait_until(lambda: "epoch 2, 2 members" in status(port), 120, what="the run re-formed")
     codes = [p.wait(timeout=400) for p in nodes]
     coord.send_signal(signal.SIGTERM)
     coord.wait(timeout=30)
-    assert codes == [0, 0], logs(tmp_path)
-    per_node = [outer_rows(f) for f in folders]
+    assert codes == [0, 0], log_tails(tmp_path)
+    per_node = [outer_rows(folder_metrics(f)) for f in folders]
     for rows in per_node:  # no committed outer step rolled back, none skipped
         assert [r["outer_step"] for r in rows] == list(range(1, STEPS // H + 1)), rows
         assert rows[-1]["epoch"] == 2 and rows[-1]["nodes"] == 2, rows[-1]
@@ -112,37 +97,41 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path, cache, children):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
 def test_coordinator_gone_past_the_grace_checkpoints_and_the_rerun_resumes(
-    tmp_path, cache, children, overlap
+    tmp_path, token_cache, children, overlap
 ):
     # delayed: the round in flight when the coordinator died ends in CoordinatorGone at the
     # next boundary (or at a checkpoint, which waits for it) and is dropped
     extra = ("--diloco.overlap", overlap)
     port = free_port()
-    coord, folders, nodes = start_run(children, tmp_path, port, cache, grace=3, extra=extra)
+    coord, folders, nodes = start_run(children, tmp_path, port, token_cache, grace=3, extra=extra)
     kill_after_outer_step(tmp_path, coord, folders, nodes, 2)
     codes = [p.wait(timeout=300) for p in nodes]
-    assert codes == [1, 1], logs(tmp_path)
+    assert codes == [1, 1], log_tails(tmp_path)
     steps = set()
     for f in folders:
         lines = [ln for ln in f.with_suffix(".log").read_text().splitlines()
                  if ln.startswith("prime-train: CoordinatorGone:")]  # fmt: skip
-        assert len(lines) == 1 and "rerun the same command" in lines[0], logs(tmp_path)
+        assert len(lines) == 1 and "rerun the same command" in lines[0], log_tails(tmp_path)
         steps.add(int(re.search(r"checkpointed step (\d+)", lines[0]).group(1)))
     (step,) = steps  # every node stopped at the same committed outer step
     assert step % H == 0 and step >= 2 * H
     committed = {
-        r["outer_step"]: r["outer_sha256"] for r in outer_rows(folders[0]) if r["step"] <= step
+        r["outer_step"]: r["outer_sha256"]
+        for r in outer_rows(folder_metrics(folders[0]))
+        if r["step"] <= step
     }
 
-    coord = coordinator(children, port, tmp_path / "coordinator.log")
-    nodes = [node(children, f, port, cache, grace=3, extra=extra) for f in folders]
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN)
+    nodes = [node(children, f, port, token_cache, grace=3, extra=extra) for f in folders]
     codes = [p.wait(timeout=400) for p in nodes]
     coord.send_signal(signal.SIGTERM)
     coord.wait(timeout=30)
-    assert codes == [0, 0], logs(tmp_path)
+    assert codes == [0, 0], log_tails(tmp_path)
     for f in folders:
         assert f"resumed from the step-{step} checkpoint" in f.with_suffix(".log").read_text()
-    final = [{r["outer_step"]: r["outer_sha256"] for r in outer_rows(f)} for f in folders]
+    final = [
+        {r["outer_step"]: r["outer_sha256"] for r in outer_rows(folder_metrics(f))} for f in folders
+    ]
     # delayed: the dropped round, and the first boundary after the resume, apply nothing
     last = STEPS // H if overlap == "none" else max(final[0])
     assert final[0] == final[1] and set(final[0]) == set(range(1, last + 1))
@@ -167,7 +156,7 @@ def child_pids(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_local_launcher_restarts_a_killed_coordinator(tmp_path, cache, children):
+def test_local_launcher_restarts_a_killed_coordinator(tmp_path, token_cache, children):
     # two ranks per node: each rank reconnects on its own; the node counts once all are back
     runs = tmp_path / "runs"
     env = dict(os.environ, PRIME_TOKEN=TOKEN, OMP_NUM_THREADS="1",
@@ -176,8 +165,7 @@ def test_local_launcher_restarts_a_killed_coordinator(tmp_path, cache, children)
     log = tmp_path / "launcher.log"
     with open(log, "w") as out:
         launcher = children.popen(
-            [sys.executable, "-m", "prime_train.cli", "--config", str(ROOT / "configs" / "debug.toml"),
-             "--run.runs_dir", str(runs), "--data.cache_dir", str(cache),
+            [sys.executable, "-m", "prime_train.cli", *debug_args(runs, token_cache),
              "--train.steps", str(STEPS), "--diloco.inner_steps", str(H), "--eval.every", "0",
              "--launch.local_nodes", "2", "--launch.ranks_per_node", "2"],
             env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -193,8 +181,7 @@ def test_local_launcher_restarts_a_killed_coordinator(tmp_path, cache, children)
     assert launcher.wait(timeout=400) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "[launch] the coordinator exited" in text, text[-3000:]
-    rows = [read_metrics(runs / "debug" / n) for n in ("metrics.jsonl", "metrics-node1.jsonl")]
-    outer = [{r["outer_step"]: r for r in rs if "outer_step" in r} for rs in rows]
+    outer = [outer_by_step(node_metrics(runs / "debug", k)) for k in range(2)]
     assert sorted(outer[0]) == sorted(outer[1]) == list(range(1, STEPS // H + 1))
     for k, r in outer[0].items():
         assert r["outer_sha256"] == outer[1][k]["outer_sha256"], k

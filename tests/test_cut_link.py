@@ -11,13 +11,11 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from prime_netbed import WanBed, bed_unavailable_reason
 
-from prime_testkit import cli_node, wait_until
-from prime_train.metrics import read_metrics
+from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_node, wait_until
 
 pytestmark = [
     pytest.mark.wan,
@@ -29,32 +27,6 @@ STEPS = 200
 NODES = 3
 COORD = NODES  # the bed's last namespace holds the coordinator
 PORT = 29500
-
-
-def rows(folder: Path) -> list[dict]:
-    return read_metrics(folder / "runs" / "debug" / "metrics.jsonl")
-
-
-def outer(folder: Path) -> dict[int, dict]:
-    return {r["outer_step"]: r for r in rows(folder) if "outer_step" in r}
-
-
-def logs(tmp_path: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(tmp_path.glob("*.log"))
-    )
-
-
-def start_node(children, bed: WanBed, k: int, tmp_path: Path, cache: Path):
-    argv, env = cli_node(
-        tmp_path / f"node{k}", coordinator=f"{bed.ip(COORD)}:{PORT}", host=bed.ip(k),
-        token=TOKEN, cache=cache, steps=STEPS, inner_steps=H, env={"GLOO_SOCKET_IFNAME": "eth0"},
-    )  # fmt: skip
-    with open(tmp_path / f"node{k}.log", "a") as out:
-        return children.popen(
-            bed.exec_prefix(k) + argv,
-            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path / f"node{k}",
-        )  # fmt: skip
 
 
 @pytest.mark.timeout(600)
@@ -71,21 +43,28 @@ def test_a_cut_link_evicts_the_node_and_it_rejoins_by_itself(tmp_path, children)
                        "--host", bed.ip(COORD), "--port", str(PORT), "--min-nodes", str(NODES)],
                     env=dict(os.environ, PRIME_TOKEN=TOKEN), stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
-            procs = [start_node(children, bed, k, tmp_path, cache) for k in range(NODES)]
+            procs = [
+                start_cli_node(children, n[k], prefix=bed.exec_prefix(k), host=bed.ip(k),
+                               coordinator=f"{bed.ip(COORD)}:{PORT}", token=TOKEN, cache=cache,
+                               steps=STEPS, inner_steps=H, env={"GLOO_SOCKET_IFNAME": "eth0"})
+                for k in range(NODES)
+            ]  # fmt: skip
             running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
-            wait_until(lambda: 2 in outer(n[2]) or not running(), 300,
+            wait_until(lambda: 2 in outer_by_step(folder_metrics(n[2])) or not running(), 300,
                        what="node 2's second outer step")  # fmt: skip
-            assert running(), logs(tmp_path)
+            assert running(), log_tails(tmp_path)
             bed.link_down(2)
             try:
-                cut_at = max(outer(n[0]))
+                cut_at = max(outer_by_step(folder_metrics(n[0])))
                 # the others commit without node 2, twice, while its link is still down
-                wait_until(lambda: sum(r["nodes"] == NODES - 1 for k, r in outer(n[0]).items()
+                wait_until(lambda: sum(r["nodes"] == NODES - 1
+                                       for k, r in outer_by_step(folder_metrics(n[0])).items()
                                        if k > cut_at) >= 2 or not running(), 180,
                            what="the others committing without node 2")  # fmt: skip
             finally:
                 bed.link_up(2)
-            alone = [k for k, r in outer(n[0]).items() if k > cut_at and r["nodes"] == NODES - 1]
+            outer0 = outer_by_step(folder_metrics(n[0]))
+            alone = [k for k, r in outer0.items() if k > cut_at and r["nodes"] == NODES - 1]
             codes = [p.wait(timeout=400) for p in procs]
             coord.send_signal(signal.SIGTERM)  # the coordinator stops cleanly too
             codes.append(coord.wait(timeout=30))
@@ -94,19 +73,20 @@ def test_a_cut_link_evicts_the_node_and_it_rejoins_by_itself(tmp_path, children)
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=30)  # every process ends before its namespace is deleted
-    assert codes == [0] * (NODES + 1), logs(tmp_path)
-    assert len(alone) >= 2, logs(tmp_path)
-    rejoined = [r for r in rows(n[2]) if r.get("rejoined")]
-    assert [r["rejoined"] for r in rejoined] == [1], logs(tmp_path)
+    assert codes == [0] * (NODES + 1), log_tails(tmp_path)
+    assert len(alone) >= 2, log_tails(tmp_path)
+    rows2 = folder_metrics(n[2])
+    rejoined = [r for r in rows2 if r.get("rejoined")]
+    assert [r["rejoined"] for r in rejoined] == [1], log_tails(tmp_path)
     assert rejoined[0]["fetch_bytes"] > 0 and rejoined[0]["donor"], rejoined
     entry = rejoined[0]["step"]
-    after = [r for r in rows(n[2]) if "outer_sha256" in r and r["step"] >= entry]
-    assert after and min(r["outer_step"] for r in after) > max(alone), logs(tmp_path)
+    after = [r for r in rows2 if "outer_sha256" in r and r["step"] >= entry]
+    assert after and min(r["outer_step"] for r in after) > max(alone), log_tails(tmp_path)
     for member in n[:2]:
-        theirs = outer(member)
+        theirs = outer_by_step(folder_metrics(member))
         for r in after:
             assert r["outer_sha256"] == theirs[r["outer_step"]]["outer_sha256"], r["outer_step"]
-    back = outer(n[0])[min(r["outer_step"] for r in after)]
+    back = outer_by_step(folder_metrics(n[0]))[min(r["outer_step"] for r in after)]
     assert back["nodes"] == NODES and back["contributors"] == NODES - 1, back
     assert "stalled or cut off" in (tmp_path / "coordinator.log").read_text()  # evicted
     log = (tmp_path / "node2.log").read_text()

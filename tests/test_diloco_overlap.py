@@ -16,10 +16,16 @@ from pathlib import Path
 import pytest
 
 from prime_mesh import Coordinator
-from prime_testkit import wait_until
-from prime_train.metrics import read_metrics
+from prime_testkit import (
+    debug_args,
+    node_metrics,
+    outer_rows,
+    run_local_nodes,
+    start_local_nodes,
+    trace,
+    wait_until,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "diloco-overlap-test-token"
 SHORT = [
     "--train.steps", "60",
@@ -32,48 +38,6 @@ SHORT = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def token_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
-
-
-def cli_args(runs: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "--config", str(ROOT / "configs" / "debug.toml"),
-        "--run.runs_dir", str(runs),
-        "--data.cache_dir", str(cache),
-        *SHORT, *extra,
-    ]  # fmt: skip
-
-
-def metrics(run_dir: Path, node: int) -> list[dict]:
-    return read_metrics(run_dir / ("metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"))
-
-
-def outer_rows(run_dir: Path, node: int) -> list[dict]:
-    return [r for r in metrics(run_dir, node) if "outer_step" in r]
-
-
-def start_node(children, k, address, args, log_path, **env_extra):
-    env = dict(os.environ, PRIME_TOKEN=TOKEN, PRIME_LOCAL_NODE=str(k),
-               PRIME_MESH__COORDINATOR=address, PRIME_MESH__HOST="127.0.0.1",
-               PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5", PRIME_MESH__HEARTBEAT_TIMEOUT_S="3",
-               OMP_NUM_THREADS="1", **env_extra)  # fmt: skip
-    with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
-        return children.popen([sys.executable, "-m", "prime_train.cli", *args], env=env,
-                              stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-
-
-def start_nodes(children, coord, args, log_prefix: Path, **env_extra):
-    """Both nodes, registered in node order (so ranks, and float sums, match across runs)."""
-    procs = []
-    for k in range(2):
-        log = Path(f"{log_prefix}-{k}.log")
-        procs.append(start_node(children, k, coord.address, args, log, **env_extra))
-        wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} to register")
-    return procs
-
-
 def holding(log: Path, step: int) -> bool:
     return log.is_file() and f"holding the outer round of step {step}" in log.read_text()
 
@@ -84,12 +48,12 @@ def test_delayed_two_nodes_learn_with_identical_outer_weights(tmp_path, token_ca
     runs = tmp_path / "runs"
     env = dict(os.environ, PRIME_TOKEN=TOKEN, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "prime_train.cli", *cli_args(runs, token_cache)],
+        [sys.executable, "-m", "prime_train.cli", *debug_args(runs, token_cache, *SHORT)],
         env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = runs / "debug"
-    rows = [outer_rows(run_dir, k) for k in range(2)]
+    rows = [outer_rows(node_metrics(run_dir, k)) for k in range(2)]
     # round k is applied at the end of round k+1; the last one at the last step
     for node_rows in rows:
         assert [(r["outer_step"], r["round_step"], r["step"]) for r in node_rows] == [
@@ -105,7 +69,7 @@ def test_delayed_two_nodes_learn_with_identical_outer_weights(tmp_path, token_ca
         assert d["overlap"] == "delayed" and d["outer_steps"] == 3
         assert 0 < d["compute_utilisation"] <= 1
     # the final model is the outer weights: both nodes evaluate the same model at the end
-    finals = [[r["eval_loss"] for r in metrics(run_dir, k) if r.get("step") == 60
+    finals = [[r["eval_loss"] for r in node_metrics(run_dir, k) if r.get("step") == 60
                and "eval_loss" in r] for k in range(2)]  # fmt: skip
     assert finals[0] == finals[1] and len(finals[0]) == 1
     assert "compute utilisation" in proc.stdout
@@ -117,9 +81,10 @@ def test_node_killed_during_a_background_round_is_dropped(tmp_path, token_cache,
     runs = tmp_path / "runs"
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     try:
-        n0, n1 = start_nodes(children, coord, cli_args(runs, token_cache), tmp_path / "node",
-                             PRIME_TRAIN_FAULT_HOLD_ROUND_S="4")  # fmt: skip
         log0, log1 = tmp_path / "node-0.log", tmp_path / "node-1.log"
+        n0, n1 = start_local_nodes(children, coord, token=TOKEN,
+                                   args=debug_args(runs, token_cache, *SHORT), logs=[log0, log1],
+                                   PRIME_TRAIN_FAULT_HOLD_ROUND_S="4")  # fmt: skip
         wait_until(lambda: holding(log1, 20) or n1.poll() is not None, 200,
                    what="node 1's first background round")  # fmt: skip
         assert n1.poll() is None, log1.read_text()[-3000:]
@@ -130,7 +95,7 @@ def test_node_killed_during_a_background_round_is_dropped(tmp_path, token_cache,
     text = log0.read_text()
     assert "outer round of step 20 not committed" in text and "dropped on every node" in text
     assert "done: 60/60 steps" in text
-    rows = outer_rows(runs / "debug", 0)
+    rows = outer_rows(node_metrics(runs / "debug", 0))
     assert [(r["round_step"], r["nodes"]) for r in rows] == [(40, 1), (60, 1)]
 
 
@@ -139,38 +104,34 @@ def test_node_killed_during_a_background_round_is_dropped(tmp_path, token_cache,
 def test_sigterm_during_a_background_round_checkpoints_and_resumes_exactly(
     tmp_path, token_cache, children
 ):
-    def run_nodes(runs, stop_while_holding=None):
-        coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
-        try:
-            hold = {"PRIME_TRAIN_FAULT_HOLD_ROUND_S": "3"} if stop_while_holding else {}
-            prefix = runs.parent / runs.name
-            procs = start_nodes(children, coord, cli_args(runs, token_cache), prefix, **hold)
-            if stop_while_holding is not None:
-                wait_until(lambda: holding(Path(f"{prefix}-0.log"), stop_while_holding), 200,
-                           what="a background round in flight")  # fmt: skip
-                for p in procs:
-                    p.send_signal(signal.SIGTERM)
-            return [p.wait(timeout=200) for p in procs]
-        finally:
-            coord.close()
+    def run_delayed_pair(runs, stop_while_holding=None):
+        """Both nodes in `runs` (logs {runs}-{k}.log); SIGTERM while the round of step
+        `stop_while_holding` is held in flight, when given. Their exit codes."""
+        hold = {"PRIME_TRAIN_FAULT_HOLD_ROUND_S": "3"} if stop_while_holding else {}
+        prefix = runs.parent / runs.name
+
+        def round_held() -> bool:
+            return holding(Path(f"{prefix}-0.log"), stop_while_holding)
+
+        return run_local_nodes(children, token=TOKEN, args=debug_args(runs, token_cache, *SHORT),
+                               logs=[Path(f"{prefix}-{k}.log") for k in range(2)],
+                               stop_when=None if stop_while_holding is None else round_held,
+                               what="a background round in flight", **hold)  # fmt: skip
 
     full, split = tmp_path / "full", tmp_path / "split"
-    assert run_nodes(full) == [0, 0]
-    assert run_nodes(split, stop_while_holding=20) == [0, 0]
+    assert run_delayed_pair(full) == [0, 0]
+    assert run_delayed_pair(split, stop_while_holding=20) == [0, 0]
     log = (tmp_path / "split-0.log").read_text()
     assert "SIGTERM received: stopped after step 40" in log, log[-3000:]
-    assert run_nodes(split) == [0, 0]
+    assert run_delayed_pair(split) == [0, 0]
     assert "resumed from the step-40 checkpoint" in (tmp_path / "split-0.log").read_text()
 
-    def values(runs, node):
-        keep = ("loss", "eval_loss", "outer_sha256")
-        return {(r["step"], r.get("outer_step"), k): r[k]
-                for r in metrics(runs / "debug", node) for k in keep if k in r}  # fmt: skip
-
     for node in range(2):
-        a, b = values(full, node), values(split, node)
+        a, b = (trace(node_metrics(runs / "debug", node), with_outer_step=True)
+                for runs in (full, split))  # fmt: skip
         assert a == b, (
             f"node {node}: resumed run differs: {sorted(set(a.items()) ^ set(b.items()))[:6]}"
         )
-    hashes = [[r["outer_sha256"] for r in outer_rows(split / "debug", k)] for k in range(2)]
+    hashes = [[r["outer_sha256"] for r in outer_rows(node_metrics(split / "debug", k))]
+              for k in range(2)]  # fmt: skip
     assert len(hashes[0]) == 3 and hashes[0] == hashes[1]

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +17,19 @@ import torch
 from prime_ckpt import fetch_from_peer
 from prime_comm import ring_bytes
 from prime_mesh import Coordinator
-from prime_testkit import wait_until
+from prime_testkit import (
+    debug_args,
+    node_metrics,
+    outer_hashes,
+    run_local_nodes,
+    start_local_node,
+    trace,
+    wait_until,
+)
 from prime_train.metrics import read_metrics
 from prime_train.model import Transformer, model_args, num_params
 from prime_train.plot import membership_changes
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "diloco-train-test-token"
 SHORT = [
     "--train.steps", "60",
@@ -34,43 +40,10 @@ SHORT = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def token_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
-
-
-def cli_args(runs: Path, cache: Path, *extra: str) -> list[str]:
-    return [
-        "--config", str(ROOT / "configs" / "debug.toml"),
-        "--run.runs_dir", str(runs),
-        "--data.cache_dir", str(cache),
-        *SHORT, *extra,
-    ]  # fmt: skip
-
-
-def start_node(children, k, address, args, log_path):
-    env = dict(os.environ, PRIME_TOKEN=TOKEN, PRIME_LOCAL_NODE=str(k),
-               PRIME_MESH__COORDINATOR=address, PRIME_MESH__HOST="127.0.0.1",
-               PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5", PRIME_MESH__HEARTBEAT_TIMEOUT_S="3",
-               OMP_NUM_THREADS="1")  # fmt: skip
-    with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
-        return children.popen([sys.executable, "-m", "prime_train.cli", *args], env=env,
-                              stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-
-
 def node0_url(coord) -> str:
-    """Node 0 registered first (see start_node's callers), so it is the lowest node id."""
+    """Node 0 registered first (see the tests that start nodes), so it is the lowest node id."""
     nodes = sorted(coord.status()["nodes"], key=lambda n: int(n["node_id"].split("-")[1]))
     return nodes[0]["metadata"]["serve_url"]
-
-
-def outer_hashes(run_dir: Path, node: int) -> dict[int, str]:
-    name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
-    return {
-        r["outer_step"]: r["outer_sha256"]
-        for r in read_metrics(run_dir / name)
-        if "outer_step" in r
-    }
 
 
 @pytest.mark.timeout(300)
@@ -79,14 +52,14 @@ def test_two_nodes_through_the_cli_learn_with_identical_weights(tmp_path, token_
     env = dict(os.environ, PRIME_TOKEN=TOKEN, OMP_NUM_THREADS="1")
     r = subprocess.run(
         [sys.executable, "-m", "prime_train.cli",
-         *cli_args(runs, token_cache, "--launch.local_nodes", "2")],
+         *debug_args(runs, token_cache, *SHORT, "--launch.local_nodes", "2")],
         env=env, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[node 0 rank 0]" in r.stdout and "[node 1 rank 0]" in r.stdout
     assert "DiLoCo: 3 outer steps" in r.stdout
     run_dir = runs / "debug"
-    h0, h1 = outer_hashes(run_dir, 0), outer_hashes(run_dir, 1)
+    h0, h1 = outer_hashes(node_metrics(run_dir, 0)), outer_hashes(node_metrics(run_dir, 1))
     assert sorted(h0) == [1, 2, 3] and h0 == h1, "outer weights differ between nodes"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["heldout_loss"] <= 0.7 * summary["initial_heldout_loss"]
@@ -111,13 +84,15 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     page = coord.serve_status()
     try:
-        args = cli_args(runs, token_cache, "--launch.local_nodes", "2")
-        n0 = start_node(children, 0, coord.address, args, tmp_path / "node0.log")
+        args = debug_args(runs, token_cache, *SHORT, "--launch.local_nodes", "2")
+        n0 = start_local_node(children, 0, coordinator=coord.address, token=TOKEN, args=args,
+                              log=tmp_path / "node0.log")  # fmt: skip
         wait_until(lambda: len(coord.status()["nodes"]) == 1, 120, what="node 0 to register")
-        n1 = start_node(children, 1, coord.address, args, tmp_path / "node1.log")
+        n1 = start_local_node(children, 1, coordinator=coord.address, token=TOKEN, args=args,
+                              log=tmp_path / "node1.log")  # fmt: skip
         run_dir = runs / "debug"
-        wait_until(lambda: 1 in outer_hashes(run_dir, 1) or n1.poll() is not None, 200,
-                   what="node 1's first outer step")  # fmt: skip
+        wait_until(lambda: 1 in outer_hashes(node_metrics(run_dir, 1)) or n1.poll() is not None,
+                   200, what="node 1's first outer step")  # fmt: skip
         assert n1.poll() is None, (tmp_path / "node1.log").read_text()[-3000:]
         # each node advertises its checkpoint server in the mesh: a joiner could fetch from it
         urls = {n["metadata"]["serve_url"] for n in coord.status()["nodes"]}
@@ -174,50 +149,43 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children):
-    def run_nodes(runs, stop_after_outer=None):
-        coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
-        try:
-            args = cli_args(runs, token_cache, "--launch.local_nodes", "2")
-            procs = []
-            for k in range(2):
-                # register in node order: ranks (and so float summation order) match across runs
-                procs.append(
-                    start_node(
-                        children, k, coord.address, args, runs.parent / f"{runs.name}-{k}.log"
-                    )
-                )
-                wait_until(
-                    lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} to register"
-                )
-            if stop_after_outer is not None:
-                wait_until(lambda: stop_after_outer in outer_hashes(runs / "debug", 0), 200,
-                           what="the outer step to stop after")  # fmt: skip
-                for p in procs:
-                    p.send_signal(signal.SIGTERM)
-            return [p.wait(timeout=200) for p in procs]
-        finally:
-            coord.close()
+@pytest.mark.parametrize(
+    "how",
+    [
+        [],  # the round's end is near: both stop together at the next outer boundary
+        # the round's end is too far: both leave at once and save the last outer step
+        ["--train.stop_within_s", "0", "--ckpt.every", "0", "--diloco.inner_steps", "30"],
+    ],
+    ids=["at-the-boundary", "leave-at-once"],
+)
+def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children, how):
+    def run_pair(runs, stop_after_outer=None):
+        """Both nodes in `runs` (logs {runs}-{k}.log), registered in node order (so ranks, and
+        float sums, match across runs); SIGTERM once outer step `stop_after_outer` is
+        committed, when given. Their exit codes."""
+
+        def outer_step_committed() -> bool:
+            return stop_after_outer in outer_hashes(node_metrics(runs / "debug"))
+
+        args = debug_args(runs, token_cache, *SHORT, "--launch.local_nodes", "2", *how)
+        return run_local_nodes(children, token=TOKEN, args=args,
+                               logs=[runs.parent / f"{runs.name}-{k}.log" for k in range(2)],
+                               stop_when=None if stop_after_outer is None else outer_step_committed,
+                               what="the outer step to stop after")  # fmt: skip
 
     full, split = tmp_path / "full", tmp_path / "split"
-    assert run_nodes(full) == [0, 0]
-    assert run_nodes(split, stop_after_outer=1) == [0, 0]
+    assert run_pair(full) == [0, 0]
+    assert run_pair(split, stop_after_outer=1) == [0, 0]
     stopped_at = max(r["step"] for r in read_metrics(split / "debug" / "metrics.jsonl"))
     assert stopped_at < 60, "the run was not stopped early"
-    assert run_nodes(split) == [0, 0]
-
-    def losses(runs, node):
-        name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
-        keep = ("loss", "eval_loss", "outer_sha256")
-        return {
-            (r["step"], k): r[k]
-            for r in read_metrics(runs / "debug" / name)
-            for k in keep
-            if k in r
-        }
+    if how:  # each node left mid-round with the state of the last outer step, its own included
+        for k in range(2):
+            log = (tmp_path / f"split-{k}.log").read_text()
+            assert "left the mesh and checkpointed step 30" in log, log[-2000:]
+    assert run_pair(split) == [0, 0]
 
     for node in range(2):
-        a, b = losses(full, node), losses(split, node)
+        a, b = trace(node_metrics(full / "debug", node)), trace(node_metrics(split / "debug", node))
         assert a == b, (
             f"node {node}: resumed run differs: {sorted(set(a.items()) ^ set(b.items()))[:6]}"
         )

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 
-def run(tmp_path: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+def run_gpu_check(tmp_path: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PRIME_", "GPU_CHECK_"))}
     return subprocess.run(
         ["bash", str(SCRIPT)],
@@ -25,7 +25,7 @@ def run(tmp_path: Path, timeout: float, **env: str) -> subprocess.CompletedProce
 
 
 def test_without_cuda_it_fails_loudly(tmp_path):
-    r = run(tmp_path, 120, CUDA_VISIBLE_DEVICES="")
+    r = run_gpu_check(tmp_path, 120, CUDA_VISIBLE_DEVICES="")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "gpu_check: FAILED: no CUDA device visible" in r.stderr
     assert "stage" not in r.stdout  # nothing ran
@@ -35,7 +35,7 @@ def test_missing_packages_and_no_wheels_are_named(tmp_path):
     hidden = tmp_path / "hide"  # prime_train made unimportable, as on a bare GPU machine
     (hidden / "prime_train").mkdir(parents=True)
     (hidden / "prime_train" / "__init__.py").write_text("raise ImportError('not installed')\n")
-    r = run(tmp_path, 120, GPU_CHECK_DRY_RUN="1", PYTHONPATH=str(hidden),
+    r = run_gpu_check(tmp_path, 120, GPU_CHECK_DRY_RUN="1", PYTHONPATH=str(hidden),
             GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))  # fmt: skip
     assert r.returncode == 1, r.stdout + r.stderr
     assert "prime_train is not importable" in r.stderr and "gpu_wheels.sh" in r.stderr
@@ -44,7 +44,7 @@ def test_missing_packages_and_no_wheels_are_named(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dry_run_on_cpu_runs_every_stage_and_prints_the_table(tmp_path):
-    r = run(tmp_path, 560, GPU_CHECK_DRY_RUN="1", GPU_CHECK_STAGE_S="150")
+    r = run_gpu_check(tmp_path, 560, GPU_CHECK_DRY_RUN="1", GPU_CHECK_STAGE_S="150")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "DRY RUN on CPU" in r.stdout
     rows = {

@@ -14,11 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from prime_testkit import wait_until
+from prime_testkit import (
+    TRACED,
+    clean_env,
+    debug_args,
+    node_metrics,
+    outer_by_step,
+    trace,
+    wait_until,
+)
 from prime_train.data import ShardedLoader, data_part
-from prime_train.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "multirank-test-token"
 ARGS = [
     "--launch.local_nodes", "2",
@@ -34,28 +40,11 @@ ARGS = [
 ]  # fmt: skip
 
 
-def cli_args(runs: Path, cache: Path) -> list[str]:
-    return [
-        "--config", str(ROOT / "configs" / "debug.toml"),
-        "--run.runs_dir", str(runs), "--data.cache_dir", str(cache), *ARGS,
-    ]  # fmt: skip
-
-
-def env() -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
-    return {**e, "PRIME_TOKEN": TOKEN}
-
-
-def outer_rows(run_dir: Path, node: int) -> dict[int, dict]:
-    name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
-    return {r["outer_step"]: r for r in read_metrics(run_dir / name) if "outer_step" in r}
-
-
 def launch(children, runs: Path, cache: Path, log: Path):
     with open(log, "w") as out:
         return children.popen(
-            [sys.executable, "-m", "prime_train.cli", *cli_args(runs, cache)],
-            env=env(), stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "prime_train.cli", *debug_args(runs, cache, *ARGS)],
+            env=clean_env(PRIME_TOKEN=TOKEN), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
 
@@ -117,13 +106,13 @@ def test_two_nodes_of_two_ranks_learn_match_and_resume_exactly(tmp_path, childre
     cache = tmp_path / "cache"
     full, split = tmp_path / "full", tmp_path / "split"
     r = subprocess.run(
-        [sys.executable, "-m", "prime_train.cli", *cli_args(full, cache)],
-        env=env(), capture_output=True, text=True, timeout=280,
+        [sys.executable, "-m", "prime_train.cli", *debug_args(full, cache, *ARGS)],
+        env=clean_env(PRIME_TOKEN=TOKEN), capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "starting 2 nodes of 2 ranks" in r.stdout and "FSDP2 over 2 rank(s)" in r.stdout
     run_dir = full / "debug"
-    a, b = outer_rows(run_dir, 0), outer_rows(run_dir, 1)
+    a, b = outer_by_step(node_metrics(run_dir, 0)), outer_by_step(node_metrics(run_dir, 1))
     assert sorted(a) == [1, 2, 3] and sorted(b) == [1, 2, 3]
     for k in a:  # every shard of the outer weights identical on both nodes
         assert len(a[k]["shard_sha256"]) == 2
@@ -137,30 +126,23 @@ def test_two_nodes_of_two_ranks_learn_match_and_resume_exactly(tmp_path, childre
     # boundary and checkpoints; the rerun resumes and reproduces the uninterrupted run
     log = tmp_path / "split.log"
     p = launch(children, split, cache, log)
-    wait_until(lambda: 1 in outer_rows(split / "debug", 0) or p.poll() is not None, 200,
-               what="the first outer step")  # fmt: skip
+    wait_until(lambda: 1 in outer_by_step(node_metrics(split / "debug")) or p.poll() is not None,
+               200, what="the first outer step")  # fmt: skip
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=200) == 0, log.read_text()[-3000:]
     assert "stopped after step" in log.read_text()
     r = subprocess.run(
-        [sys.executable, "-m", "prime_train.cli", *cli_args(split, cache)],
-        env=env(), capture_output=True, text=True, timeout=280,
+        [sys.executable, "-m", "prime_train.cli", *debug_args(split, cache, *ARGS)],
+        env=clean_env(PRIME_TOKEN=TOKEN), capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from the step-" in r.stdout
 
-    def trace(runs: Path, node: int) -> dict:
-        name = "metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"
-        keep = ("loss", "eval_loss", "outer_sha256", "shard_sha256")
-        return {
-            (x["step"], k): x[k]
-            for x in read_metrics(runs / "debug" / name)
-            for k in keep
-            if k in x
-        }
-
+    keep = (*TRACED, "shard_sha256")
     for node in range(2):
-        assert trace(full, node) == trace(split, node), f"node {node}: the resumed run differs"
+        assert trace(node_metrics(full / "debug", node), keep) == trace(
+            node_metrics(split / "debug", node), keep
+        ), f"node {node}: the resumed run differs"
 
 
 @pytest.mark.slow
@@ -169,7 +151,7 @@ def test_a_killed_rank_takes_its_node_out_and_the_other_node_finishes(tmp_path, 
     runs, log = tmp_path / "runs", tmp_path / "launch.log"
     p = launch(children, runs, tmp_path / "cache", log)
     run_dir = runs / "debug"
-    wait_until(lambda: 1 in outer_rows(run_dir, 1) or p.poll() is not None, 200,
+    wait_until(lambda: 1 in outer_by_step(node_metrics(run_dir, 1)) or p.poll() is not None, 200,
                what="node 1's first outer step")  # fmt: skip
     pid = rank_pid(p.pid, node=1, rank=1)
     assert pid is not None, log.read_text()[-3000:]
@@ -180,6 +162,6 @@ def test_a_killed_rank_takes_its_node_out_and_the_other_node_finishes(tmp_path, 
     assert "[launch] node 1 rank 1 exited with code -9" in text
     assert rank_pid(p.pid, node=1, rank=0) is None
     assert "[node 0 rank 0] done: 60/60 steps" in text
-    outer = outer_rows(run_dir, 0)
+    outer = outer_by_step(node_metrics(run_dir, 0))
     assert sorted(outer) == [1, 2, 3] and outer[1]["nodes"] == 2
     assert outer[3]["nodes"] == 1, "node 0 still averaged with the dead node"

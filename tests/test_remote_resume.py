@@ -18,10 +18,16 @@ from pathlib import Path
 import pytest
 
 from prime_mesh import Coordinator
-from prime_testkit import CREDENTIALS, MotoS3, wait_until
-from prime_train.metrics import read_metrics
+from prime_testkit import (
+    CREDENTIALS,
+    MotoS3,
+    debug_args,
+    folder_metrics,
+    outer_hashes,
+    trace,
+    wait_until,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "remote-resume-test-token"
 ARGS = [
     "--data.path", "{stdlib}/[a-c]*.py",
@@ -40,10 +46,6 @@ def node_folder(phase: Path, k: int) -> Path:
     return phase / f"machine{k}"
 
 
-def metrics(phase: Path, k: int) -> list[dict]:
-    return read_metrics(node_folder(phase, k) / "runs" / "debug" / "metrics.jsonl")
-
-
 def run_two_nodes(children, phase: Path, cache: Path, extra: list[str], stop_after_outer=None):
     """Node k runs in `phase/machine{k}` (its runs folder and RAM tier there) and is named
     `node-k`; returns both exit codes and logs."""
@@ -59,9 +61,7 @@ def run_two_nodes(children, phase: Path, cache: Path, extra: list[str], stop_aft
             env.update(CREDENTIALS, PRIME_TOKEN=TOKEN, OMP_NUM_THREADS="1",
                        PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5", PRIME_MESH__HEARTBEAT_TIMEOUT_S="5")  # fmt: skip
             argv = [
-                sys.executable, "-m", "prime_train.cli",
-                "--config", str(ROOT / "configs" / "debug.toml"), *ARGS,
-                "--run.runs_dir", str(home / "runs"), "--data.cache_dir", str(cache),
+                sys.executable, "-m", "prime_train.cli", *debug_args(home / "runs", cache, *ARGS),
                 "--ckpt.shm_dir", str(home / "shm"),
                 "--mesh.coordinator", coord.address, "--mesh.host", "127.0.0.1",
                 "--mesh.node_name", f"node-{k}", *extra,
@@ -77,7 +77,10 @@ def run_two_nodes(children, phase: Path, cache: Path, extra: list[str], stop_aft
         if stop_after_outer is not None:
             wait_until(
                 lambda: (
-                    any(r.get("outer_step") == stop_after_outer for r in metrics(phase, 0))
+                    any(
+                        r.get("outer_step") == stop_after_outer
+                        for r in folder_metrics(node_folder(phase, 0))
+                    )
                     or any(p.poll() is not None for p in procs)
                 ),
                 200,
@@ -89,17 +92,6 @@ def run_two_nodes(children, phase: Path, cache: Path, extra: list[str], stop_aft
     finally:
         coord.close()
     return codes, [log.read_text() for log in logs]
-
-
-def trace(phase: Path, k: int, after: int = 0) -> dict:
-    keep = ("loss", "eval_loss", "outer_sha256")
-    return {
-        (r["step"], key): r[key]
-        for r in metrics(phase, k)
-        if r["step"] > after
-        for key in keep
-        if key in r
-    }
 
 
 @pytest.mark.slow
@@ -119,7 +111,7 @@ def test_two_nodes_resume_from_s3_alone_after_both_disks_are_wiped(tmp_path, chi
     split = tmp_path / "split"
     codes, logs = run_two_nodes(children, split, cache, remote, stop_after_outer=1)
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    stopped = max(r["step"] for r in metrics(split, 0))
+    stopped = max(r["step"] for r in folder_metrics(node_folder(split, 0)))
     assert stopped == 40, f"expected a stop at the next outer step, got {stopped}"
     keys = s3.keys(bucket)
     for k in range(2):  # each node under its own prefix, ckpt.keep = 2 steps there
@@ -141,12 +133,12 @@ def test_two_nodes_resume_from_s3_alone_after_both_disks_are_wiped(tmp_path, chi
         assert ("removed this node's checkpoints of steps [40]" in logs[k]) == (k == 1)
         # weights, optimizer, outer momentum and data position all restored: the resumed
         # run reproduces the uninterrupted one step for step
-        resumed, reference = trace(split, k), trace(full, k, after=20)
+        resumed = trace(folder_metrics(node_folder(split, k)), after_step=0)
+        reference = trace(folder_metrics(node_folder(full, k)), after_step=20)
         assert resumed == reference, (
             f"node {k}: {sorted(set(resumed.items()) ^ set(reference.items()))[:6]}"
         )
-    outer = [{r["outer_step"]: r["outer_sha256"] for r in metrics(split, k) if "outer_step" in r}
-             for k in range(2)]  # fmt: skip
+    outer = [outer_hashes(folder_metrics(node_folder(split, k))) for k in range(2)]
     assert sorted(outer[0]) == [2, 3] and outer[0] == outer[1], outer
     keys = s3.keys(bucket)
     for k in range(2):  # the newest steps uploaded again, still ckpt.keep = 2 per prefix

@@ -14,11 +14,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from prime_browser import canvas_ink, chromium
+from prime_browser import canvas_ink, chromium, table
 
-from prime_testkit import free_port, wait_until
+from prime_testkit import debug_args, free_port, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "status-page-run-token"
 RUN = [
     "--train.steps", "120",
@@ -28,15 +27,6 @@ RUN = [
     "--run.log_every", "10",
     "--launch.local_nodes", "2",
 ]  # fmt: skip
-
-
-def table(session, table_id: str) -> list[list[str]]:
-    """A table's rows as a person reads them (in one go: the page redraws it every 2 s)."""
-    return session.execute_script(
-        "return [...document.querySelectorAll(`#${arguments[0]} tbody tr`)]"
-        ".map(r => [...r.cells].map(c => c.innerText.trim()));",
-        table_id,
-    )
 
 
 def members(session) -> dict[str, list[str]]:
@@ -56,8 +46,8 @@ def outer_steps(session) -> list[int]:
 def test_status_page_during_a_two_node_run(tmp_path, children):
     port = free_port()
     env = dict(os.environ, PRIME_TOKEN=TOKEN, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "prime_train.cli", "--config", str(ROOT / "configs/debug.toml"),
-           "--run.runs_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
+    cmd = [sys.executable, "-m", "prime_train.cli",
+           *debug_args(tmp_path / "runs", tmp_path / "cache"),
            *RUN, "--launch.status_port", str(port)]  # fmt: skip
     proc = children.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()

@@ -1,19 +1,15 @@
 """`[run] trackers` in a 2-node run through the CLI: the mesh's first member logs; when it is
 killed, the survivor (now the first member) carries on in its own TensorBoard file."""
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from prime_mesh import Coordinator
-from prime_testkit import wait_until
+from prime_testkit import debug_args, start_local_nodes, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "trackers-handover-token"
 
 
@@ -29,25 +25,15 @@ def loss_steps(folder: Path, node: int) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_first_member_logs_and_hands_over_when_killed(tmp_path, children):
-    args = ["--config", str(ROOT / "configs/debug.toml"), "--run.runs_dir", str(tmp_path / "runs"),
-            "--data.cache_dir", str(tmp_path / "cache"), "--train.steps", "80",
+    args = debug_args(tmp_path / "runs", tmp_path / "cache", "--train.steps", "80",
             "--diloco.inner_steps", "20", "--ckpt.every", "0", "--eval.every", "20",
             "--run.log_every", "10", "--launch.local_nodes", "2",
-            "--run.trackers", '["tensorboard"]']  # fmt: skip
+            "--run.trackers", '["tensorboard"]')  # fmt: skip
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     tb = tmp_path / "runs" / "debug" / "tensorboard"
     try:
-        procs = []
-        for k in range(2):
-            env = dict(os.environ, PRIME_TOKEN=TOKEN, PRIME_LOCAL_NODE=str(k),
-                       PRIME_MESH__COORDINATOR=coord.address, PRIME_MESH__HOST="127.0.0.1",
-                       PRIME_MESH__HEARTBEAT_INTERVAL_S="0.5",
-                       PRIME_MESH__HEARTBEAT_TIMEOUT_S="3", OMP_NUM_THREADS="1")  # fmt: skip
-            with open(tmp_path / f"node{k}.log", "w") as out:
-                procs.append(children.popen([sys.executable, "-m", "prime_train.cli", *args],
-                                            env=env, stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
-            wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120,
-                       what=f"node {k} to register")  # fmt: skip
+        logs = [tmp_path / f"node{k}.log" for k in range(2)]
+        procs = start_local_nodes(children, coord, token=TOKEN, args=args, logs=logs)
         wait_until(lambda: 20 in loss_steps(tb, 0), 240, what="node 0 logging step 20")
         assert loss_steps(tb, 1) == [], "node 1 logged while node 0 was the first member"
         procs[0].send_signal(signal.SIGKILL)

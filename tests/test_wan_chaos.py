@@ -15,6 +15,13 @@ pytestmark = [
     pytest.mark.wan,
     pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason())),
 ]
+NOTHING_LOST = ("no_rollback", "one_hash_per_outer_step", "all_outer_steps_committed",
+                "nodes_exit_0", "no_namespace_or_process_left")  # fmt: skip
+# Recovery after an event, bounded generously for a loaded 2-core machine (at load 8 there:
+# survivors committed again 1.2 s after the kill and 3.8 s after the stall; the restarted node
+# contributed again after 31 s, the added one after 28 s: a fresh process, with its start-up,
+# token cache and checkpoint fetch first).
+BOUND_S = {"commit_again_s": 60.0, "contributes_again_s": 90.0}
 
 
 @pytest.mark.timeout(900)
@@ -28,10 +35,15 @@ def test_quick_chaos_schedule_loses_nothing(tmp_path):
     assert r.returncode == 0, out[-6000:]
     result = json.loads((tmp_path / "wan_chaos.json").read_text())
     checks = result["checks"]
-    for key in ("no_rollback", "one_hash_per_outer_step", "all_outer_steps_committed",
-                "nodes_exit_0", "no_namespace_or_process_left"):  # fmt: skip
+    for key in NOTHING_LOST:
         assert checks[key] is True, (key, checks, out[-4000:])
         assert f"ok   {key.replace('_', ' ')}" in out
+    # every yes/no check the script made holds, not only the five it prints
+    assert {k for k, v in checks.items() if isinstance(v, bool)} >= set(NOTHING_LOST), checks
+    assert all(v is True for v in checks.values() if isinstance(v, bool)), checks
+    assert checks["rollbacks"] == [] and checks["split_hashes"] == {}, checks
+    assert checks["leftovers"] == [] and set(checks["exits"].values()) == {0}, checks
+    assert result["ok"] is True
     assert checks["outer_steps"] == result["outer_steps"] == 30
     assert result["undisturbed_left"] == []
     # (a joiner whose fetch outlasted a round exits asking to be rerun, and the script reruns
@@ -42,6 +54,11 @@ def test_quick_chaos_schedule_loses_nothing(tmp_path):
     assert events["kill"]["commit_again_s"] is not None  # the survivor went on
     assert events["restart"]["contributes_again_s"] is not None  # the killed node came back
     assert events["add"]["contributes_again_s"] is not None  # the new node contributed
-    assert result["tokens"]["chaos"] > 0 and result["heldout_loss"]["ratio"] is not None
+    for e in result["events"]:  # each recovery that happened, within its bound
+        for key, bound in BOUND_S.items():
+            assert e[key] is None or 0 <= e[key] <= bound, (e, key, bound)
+    assert result["tokens"]["chaos"] > 0
+    loss = result["heldout_loss"]
+    assert loss["ratio"] is not None and loss["ratio"] <= 1.05, loss  # the README's goal
     assert 0 < result["bytes"]["ratio"] < 0.5  # uint8 pseudo-gradients: about a quarter of fp32
     assert (tmp_path / "wan_chaos.png").stat().st_size > 10_000

@@ -66,3 +66,13 @@ def canvas_ink(session: Any, element_id: str) -> int:
             element_id,
         )
     )
+
+
+def table(session: Any, table_id: str) -> list[list[str]]:
+    """The rows of a table as a person reads them, each a list of its cells' text (read in one
+    go: the status page redraws its tables every 2 s)."""
+    return session.execute_script(
+        "return [...document.querySelectorAll(`#${arguments[0]} tbody tr`)]"
+        ".map(r => [...r.cells].map(c => c.innerText.trim()));",
+        table_id,
+    )

@@ -28,7 +28,7 @@ def bed_unavailable_reason() -> str | None:
     return None
 
 
-def _run(*args: str) -> None:
+def _run_checked(*args: str) -> None:
     r = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {r.stderr.strip()}")
@@ -59,11 +59,11 @@ class WanBed:
     def link_down(self, k: int) -> None:
         """Cut node k's link (`ip link set eth0 down` in its namespace): its packets go nowhere
         and nobody's reach it, as when a machine's uplink fails; its processes keep running."""
-        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "down")
+        _run_checked(*self.exec_prefix(k), "ip", "link", "set", "eth0", "down")
 
     def link_up(self, k: int) -> None:
         """Restore node k's link (its address, route and rate limit come back with it)."""
-        _run(*self.exec_prefix(k), "ip", "link", "set", "eth0", "up")
+        _run_checked(*self.exec_prefix(k), "ip", "link", "set", "eth0", "up")
 
     def __enter__(self) -> WanBed:
         reason = bed_unavailable_reason()
@@ -78,16 +78,16 @@ class WanBed:
 
     def _build(self) -> None:
         rate = f"{self.rate_mbit}mbit"
-        _run("ip", "netns", "add", self.bridge_ns)
+        _run_checked("ip", "netns", "add", self.bridge_ns)
         self._made.append(self.bridge_ns)
         inb = ["ip", "netns", "exec", self.bridge_ns]
-        _run(*inb, "ip", "link", "add", "br0", "type", "bridge")
-        _run(*inb, "ip", "link", "set", "br0", "up")
+        _run_checked(*inb, "ip", "link", "add", "br0", "type", "bridge")
+        _run_checked(*inb, "ip", "link", "set", "br0", "up")
         for k, ns in enumerate(self.node_ns):
-            _run("ip", "netns", "add", ns)
+            _run_checked("ip", "netns", "add", ns)
             self._made.append(ns)
             inn = ["ip", "netns", "exec", ns]
-            _run(
+            _run_checked(
                 "ip",
                 "link",
                 "add",
@@ -102,14 +102,14 @@ class WanBed:
                 "netns",
                 self.bridge_ns,
             )
-            _run(*inn, "ip", "addr", "add", f"{self.ip(k)}/24", "dev", "eth0")
-            _run(*inn, "ip", "link", "set", "lo", "up")
-            _run(*inn, "ip", "link", "set", "eth0", "up")
-            _run(*inb, "ip", "link", "set", f"b{k}", "master", "br0")
-            _run(*inb, "ip", "link", "set", f"b{k}", "up")
+            _run_checked(*inn, "ip", "addr", "add", f"{self.ip(k)}/24", "dev", "eth0")
+            _run_checked(*inn, "ip", "link", "set", "lo", "up")
+            _run_checked(*inn, "ip", "link", "set", "eth0", "up")
+            _run_checked(*inb, "ip", "link", "set", f"b{k}", "master", "br0")
+            _run_checked(*inb, "ip", "link", "set", f"b{k}", "up")
             # egress of the node (upload) and egress of the bridge port (download)
             for where, dev in ((inn, "eth0"), (inb, f"b{k}")):
-                _run(
+                _run_checked(
                     *where,
                     "tc",
                     "qdisc",

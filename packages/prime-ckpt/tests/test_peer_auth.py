@@ -5,7 +5,6 @@ import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import msgpack
@@ -26,24 +25,12 @@ from prime_ckpt.peer import (
 )
 from prime_ckpt.peer.auth import sign_request
 from prime_ckpt.peer.catalog import Catalog
+from prime_testkit import make_checkpoint
 
 TOKEN = "run-secret"
 
 
-def make_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> str:
-    """A committed step folder written directly: files plus their manifest; returns digest."""
-    d = root / step_dirname(step)
-    for name, data in files.items():
-        (d / name).parent.mkdir(parents=True, exist_ok=True)
-        (d / name).write_bytes(data)
-    m = Manifest(
-        step=step, files={n: FileEntry(len(b), sha256_file(d / n)) for n, b in files.items()}
-    )
-    (d / "manifest.msgpack").write_bytes(m.to_bytes())
-    return m.digest()
-
-
-def get(url: str, path: str, token: str | None = TOKEN, rng: str = "", headers=None):
+def raw_get(url: str, path: str, token: str | None = TOKEN, rng: str = "", headers=None):
     """One raw GET with the exact `path` (no normalisation); returns (status, headers, body)."""
     u = urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
@@ -75,12 +62,12 @@ def test_index_offers_newest_verified_step_and_leases_it(tmp_path):
     (root / step_dirname(10) / "a").write_bytes(b"TEN")  # corrupt: never offered
     (root / (step_dirname(12) + ".tmp-1")).mkdir()  # torn write: never offered
     with serve_directory(root, "127.0.0.1", token=TOKEN) as server:
-        status, _, body = get(server.url, "/v1/index")
+        status, _, body = raw_get(server.url, "/v1/index")
         assert status == 200
         assert msgpack.unpackb(body)["step"] == 8
         assert is_leased(root, 8)
         make_checkpoint(root, 11, {"a": b"eleven"})  # a later transfer sees the newer step
-        assert msgpack.unpackb(get(server.url, "/v1/index")[2])["step"] == 11
+        assert msgpack.unpackb(raw_get(server.url, "/v1/index")[2])["step"] == 11
 
 
 def test_wrong_token_names_authentication(donor):
@@ -88,21 +75,21 @@ def test_wrong_token_names_authentication(donor):
     with pytest.raises(PeerAuthError, match="authentication"):
         fetch_from_peer([server.url], tmp_path / "dest", token="not-the-run-secret")
     assert not any(p.name.startswith("step-") for p in (tmp_path / "dest").iterdir())
-    status, _, body = get(server.url, "/v1/index", token=None)
+    status, _, body = raw_get(server.url, "/v1/index", token=None)
     assert status == 401 and b"unauthenticated" in body
 
 
 def test_replayed_and_stale_requests_refused(donor):
     server, _, _ = donor
     headers = sign_request(TOKEN.encode(), "GET", "/v1/index")
-    assert get(server.url, "/v1/index", headers=headers)[0] == 200
-    status, _, body = get(server.url, "/v1/index", headers=headers)
+    assert raw_get(server.url, "/v1/index", headers=headers)[0] == 200
+    status, _, body = raw_get(server.url, "/v1/index", headers=headers)
     assert status == 403 and b"replayed" in body
     stale = sign_request(TOKEN.encode(), "GET", "/v1/index", now=time.time() - 120)
-    status, _, body = get(server.url, "/v1/index", headers=stale)
+    status, _, body = raw_get(server.url, "/v1/index", headers=stale)
     assert status == 403 and b"stale" in body
     # A signature for one path does not authorise another.
-    status, _, body = get(server.url, "/v1/ckpt/1/" + "0" * 64 + "/w.bin", headers=headers)
+    status, _, body = raw_get(server.url, "/v1/ckpt/1/" + "0" * 64 + "/w.bin", headers=headers)
     assert status == 401 and b"bad signature" in body
 
 
@@ -116,7 +103,7 @@ def test_paths_outside_the_checkpoint_refused(donor):
         "m/../../../secret",
         "manifest.msgpack/../../../secret",
     ]:
-        status, _, body = get(server.url, base + evil)
+        status, _, body = raw_get(server.url, base + evil)
         assert status in (403, 404), evil
         assert b"not yours" not in body
     # A file listed in the manifest that is a symlink pointing out of the checkpoint.
@@ -133,24 +120,24 @@ def test_paths_outside_the_checkpoint_refused(donor):
     (root / step_dirname(2) / "manifest.msgpack").write_bytes(m.to_bytes())
     d = m.digest()
     with serve_directory(root, "127.0.0.1", token=TOKEN) as s2:
-        status, _, body = get(s2.url, f"/v1/ckpt/2/{d}/out")
+        status, _, body = raw_get(s2.url, f"/v1/ckpt/2/{d}/out")
         assert status == 403 and b"outside the checkpoint" in body
-        assert get(s2.url, f"/v1/ckpt/2/{d}/ok")[2] == b"fine"
+        assert raw_get(s2.url, f"/v1/ckpt/2/{d}/ok")[2] == b"fine"
 
 
 def test_range_requests_and_gone_step(donor):
     server, digest, tmp_path = donor
     data = bytes(range(256)) * 40
     path = f"/v1/ckpt/1/{digest}/w.bin"
-    status, headers, body = get(server.url, path, rng="bytes=100-299")
+    status, headers, body = raw_get(server.url, path, rng="bytes=100-299")
     assert status == 206 and body == data[100:300]
     assert headers["Content-Range"] == f"bytes 100-299/{len(data)}"
-    assert get(server.url, path, rng="bytes=-10")[2] == data[-10:]
-    assert get(server.url, path, rng="bytes=10240-")[0] == 416
-    assert get(server.url, path, rng="pages=1-2")[0] == 416
-    assert get(server.url, f"/v1/ckpt/1/{'1' * 64}/w.bin")[0] == 410  # another digest
+    assert raw_get(server.url, path, rng="bytes=-10")[2] == data[-10:]
+    assert raw_get(server.url, path, rng="bytes=10240-")[0] == 416
+    assert raw_get(server.url, path, rng="pages=1-2")[0] == 416
+    assert raw_get(server.url, f"/v1/ckpt/1/{'1' * 64}/w.bin")[0] == 410  # another digest
     (tmp_path / "donor" / step_dirname(1) / "manifest.msgpack").unlink()  # pruned
-    status, _, body = get(server.url, path)
+    status, _, body = raw_get(server.url, path)
     assert status == 410 and b"no longer on this donor" in body
 
 
@@ -234,7 +221,7 @@ def test_index_waits_for_verification_then_fetcher_retries(tmp_path, monkeypatch
     make_checkpoint(root, 3, {"a": b"three"})
     with serve_directory(root, "127.0.0.1", token=TOKEN) as server:
         server.index_budget_s = 0.2
-        status, headers, body = get(server.url, "/v1/index")
+        status, headers, body = raw_get(server.url, "/v1/index")
         assert status == 503 and b"still being verified" in body and headers["Retry-After"]
         fetch = threading.Thread(
             target=lambda: fetch_from_peer(server.url, tmp_path / "x", token=TOKEN)
@@ -247,5 +234,5 @@ def test_index_waits_for_verification_then_fetcher_retries(tmp_path, monkeypatch
         make_checkpoint(root, 4, {"a": b"four"})
         (root / step_dirname(4) / "a").write_bytes(b"FOUR")  # corrupt
         for _ in range(3):
-            assert msgpack.unpackb(get(server.url, "/v1/index")[2])["step"] == 3
+            assert msgpack.unpackb(raw_get(server.url, "/v1/index")[2])["step"] == 3
         assert calls == [3, 4]  # each step hashed once, the corrupt one included

@@ -14,7 +14,7 @@ from prime_testkit import wait_until
 TOKEN = "run-secret"
 
 
-def state(seed: int) -> dict:
+def seeded_state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
         "model": {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(1024, generator=g)},
@@ -37,13 +37,13 @@ def assert_state_equal(got: dict, want: dict) -> None:
 
 def test_manager_save_serve_fetch_load(tmp_path):
     with CheckpointManager(tmp_path / "donor", shm_dir=tmp_path / "shm-d") as donor:
-        donor.save(5, state(5)).wait()
+        donor.save(5, seeded_state(5)).wait()
         with donor.serve("127.0.0.1", token=TOKEN) as server:
             assert fetch_from_peer([server.url], tmp_path / "joiner", token=TOKEN) == 5
     got = blank()
     with CheckpointManager(tmp_path / "joiner", shm_dir=tmp_path / "shm-j") as joiner:
         assert joiner.load_latest(got) == 5
-    assert_state_equal(got, state(5))
+    assert_state_equal(got, seeded_state(5))
 
 
 def test_donor_pruning_waits_for_a_transfer_in_flight(tmp_path):
@@ -51,7 +51,7 @@ def test_donor_pruning_waits_for_a_transfer_in_flight(tmp_path):
     and the transfer of step 1 completes; the next joiner gets step 2."""
     joiner_dir = tmp_path / "joiner"
     with CheckpointManager(tmp_path / "donor", shm_dir=tmp_path / "shm-d", keep=1) as donor:
-        donor.save(1, state(1)).wait()
+        donor.save(1, seeded_state(1)).wait()
         with serve_directory(
             donor.disk_dir, "127.0.0.1", token=TOKEN, max_bytes_per_s=2 << 20
         ) as server:
@@ -80,7 +80,7 @@ def test_donor_pruning_waits_for_a_transfer_in_flight(tmp_path):
                 what="the transfer to start",
             )
             assert is_leased(donor.disk_dir, 1)
-            donor.save(2, state(2)).wait()  # would prune step 1 (keep=1) but for the lease
+            donor.save(2, seeded_state(2)).wait()  # would prune step 1 (keep=1) but for the lease
             assert (donor.disk_dir / step_dirname(1)).is_dir()
             assert t.is_alive(), "the transfer ended before the donor saved step 2"
             t.join(timeout=60)
@@ -89,6 +89,6 @@ def test_donor_pruning_waits_for_a_transfer_in_flight(tmp_path):
             got = blank()
             with CheckpointManager(joiner_dir, shm_dir=tmp_path / "shm-j") as joiner:
                 assert joiner.load_latest(got) == 1
-            assert_state_equal(got, state(1))
+            assert_state_equal(got, seeded_state(1))
             assert fetch_from_peer(server.url, joiner_dir, token=TOKEN) == 2
     assert sorted(p.name for p in joiner_dir.iterdir()) == [step_dirname(1), step_dirname(2)]

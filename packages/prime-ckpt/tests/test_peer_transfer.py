@@ -11,36 +11,19 @@ from pathlib import Path
 import pytest
 
 from prime_ckpt.manifest import (
-    FileEntry,
-    Manifest,
     is_leased,
     read_manifest,
-    sha256_file,
     step_dirname,
     verify_dir,
 )
 from prime_ckpt.peer import PeerError, PeerGoneError, fetch_from_peer, serve_directory
 from prime_ckpt.peer.fetch import partial_dirname
 from prime_ckpt.peer.transfer import JOURNAL
-from prime_testkit import wait_until
+from prime_testkit import make_checkpoint, wait_until
 
 TOKEN = "run-secret"
 MB = 1 << 20
 CHUNK = 256 << 10
-
-
-def make_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> str:
-    """A committed step folder written directly (aside, then renamed); returns its digest."""
-    tmp = root / f"{step_dirname(step)}.tmp"
-    for name, data in files.items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_bytes(data)
-    m = Manifest(
-        step=step, files={n: FileEntry(len(b), sha256_file(tmp / n)) for n, b in files.items()}
-    )
-    (tmp / "manifest.msgpack").write_bytes(m.to_bytes())
-    tmp.rename(root / step_dirname(step))
-    return m.digest()
 
 
 def random_files(n: int, size: int) -> dict[str, bytes]:

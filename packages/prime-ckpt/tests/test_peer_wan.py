@@ -7,40 +7,24 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from prime_netbed import WanBed, bed_unavailable_reason
 
 from prime_ckpt.manifest import (
-    FileEntry,
-    Manifest,
     read_manifest,
-    sha256_file,
     step_dirname,
     verify_dir,
 )
 from prime_ckpt.peer.fetch import partial_dirname
 from prime_ckpt.peer.transfer import JOURNAL
-from prime_testkit import wait_until
+from prime_testkit import make_checkpoint, wait_until
 
 pytestmark = [
     pytest.mark.wan,
     pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason())),
 ]
 TOKEN = "wan-secret"
-
-
-def make_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> str:
-    d = root / step_dirname(step)
-    d.mkdir(parents=True)
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-    m = Manifest(
-        step=step, files={n: FileEntry(len(b), sha256_file(d / n)) for n, b in files.items()}
-    )
-    (d / "manifest.msgpack").write_bytes(m.to_bytes())
-    return m.digest()
 
 
 def test_fetch_across_namespaces_survives_a_killed_donor(tmp_path, children):

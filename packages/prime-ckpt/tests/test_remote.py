@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 import threading
 import uuid
 from pathlib import Path
@@ -12,48 +11,20 @@ import torch
 
 from prime_ckpt import CheckpointManager, CheckpointWarning, committed_steps
 from prime_ckpt.remote import RemoteStore
-from prime_testkit import free_port, wait_until
-
-MOTO = Path(sys.executable).with_name("moto_server")
+from prime_testkit import CREDENTIALS, MotoS3
 
 
 @pytest.fixture
 def s3(children):
-    """A moto S3 server on a free loopback port, and one fresh bucket."""
-    port = free_port()
-    children.popen(
-        [str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    import s3fs
-
+    """A moto S3 server on a free loopback port (prime_testkit.MotoS3), and one fresh bucket."""
+    server = MotoS3(children)
     options = {
-        "key": "testing",
-        "secret": "testing",
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "client_kwargs": {"region_name": "us-east-1"},
+        "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "endpoint_url": server.endpoint,
+        "client_kwargs": {"region_name": CREDENTIALS["AWS_DEFAULT_REGION"]},
     }
-
-    def up() -> bool:
-        try:
-            s3fs.S3FileSystem(skip_instance_cache=True, **options).ls("")
-            return True
-        except Exception:
-            return False
-
-    wait_until(up, timeout=60, what="moto server")
-    bucket = f"b{uuid.uuid4().hex[:8]}"
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/run", options
+    return f"s3://{server.bucket()}/run", options
 
 
 def st(step: int) -> dict:
@@ -142,11 +113,11 @@ def test_uploads_never_block_save_and_skip_to_the_newest(tmp_path, monkeypatch):
     gate = threading.Event()
     real = RemoteStore.upload
 
-    def gated(self, local, retry):  # the first upload waits until the test opens the gate
+    def gated_upload(self, local, retry):  # the first upload waits until the test opens the gate
         gate.wait(60)
         return real(self, local, retry)
 
-    monkeypatch.setattr(RemoteStore, "upload", gated)
+    monkeypatch.setattr(RemoteStore, "upload", gated_upload)
     url = f"memory://prime-{uuid.uuid4().hex}/run"
     with CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm", remote=url, keep=1) as mgr:
         for s in range(1, 6):  # each durable on disk while upload 1 is stuck

@@ -14,6 +14,7 @@
 
 #include "buffer_pool.h"
 #include "decode.h"
+#include "lowbit.h"
 #include "quant.h"
 #include "thread_pool.h"
 
@@ -40,9 +41,53 @@ std::vector<BlockRef> blocks_of(const std::vector<Job>& jobs) {
   return refs;
 }
 
-// Quantizes each job (float32 source, n, encoded destination of encoded_bytes(n)).
+void check_bits(int bits) {
+  if (bits != 8 && bits != 4 && bits != 2) throw std::invalid_argument("bits must be 8, 4 or 2");
+}
+
+// Where block b of an encoding of n elements at `base` keeps its codebook and its codes.
+struct BlockAt {
+  int64_t len;
+  int64_t cb_off;
+  int64_t codes_off;
+};
+
+inline BlockAt block_at(int64_t n, int64_t b, int bits) {
+  const int64_t cbb = codebook_bytes(bits);
+  return {std::min(kBlock, n - b * kBlock), b * cbb, num_blocks(n) * cbb + b * kBlock * bits / 8};
+}
+
+inline bool quantize_one(int bits, const float* x, int64_t len, float* cb, uint8_t* codes,
+                         bool more) {
+  switch (bits) {
+    case 4:
+      return lowbit::quantize_block<4>(x, len, cb, codes, more);
+    case 2:
+      return lowbit::quantize_block<2>(x, len, cb, codes, more);
+    default:
+      return quantize_block(x, len, cb, codes, more);
+  }
+}
+
+template <int Mode>
+inline void decode_one(int bits, const float* cb, const uint8_t* codes, int64_t len, float* out,
+                       bool stream = false) {
+  switch (bits) {
+    case 4:
+      lowbit::decode_block<4, Mode>(cb, codes, len, out, stream);
+      break;
+    case 2:
+      lowbit::decode_block<2, Mode>(cb, codes, len, out, stream);
+      break;
+    default:
+      decode_block<Mode>(cb, codes, len, out, stream);
+  }
+}
+
+// Quantizes each job (float32 source, n, encoded destination of encoded_bytes(n, bits)).
 // Returns the index of the first job that holds a NaN or Inf, or -1.
-int64_t quantize_many(const std::vector<Job>& jobs) {
+int64_t quantize_many(const std::vector<Job>& jobs, int bits) {
+  check_bits(bits);
   const auto refs = blocks_of(jobs);
   std::atomic<int64_t> bad{INT64_MAX};
   {
@@ -50,12 +95,11 @@ int64_t quantize_many(const std::vector<Job>& jobs) {
     Pools::run(static_cast<int64_t>(refs.size()), [&](int64_t t) {
       const auto [src, n, dst] = jobs[refs[t].job];
       const int64_t b = refs[t].block;
-      const int64_t len = std::min(kBlock, n - b * kBlock);
+      const BlockAt at = block_at(n, b, bits);
       const float* x = reinterpret_cast<const float*>(src) + b * kBlock;
       uint8_t* base = reinterpret_cast<uint8_t*>(dst);
-      float* cb = reinterpret_cast<float*>(base + b * kCodebookBytes);
-      uint8_t* codes = base + num_blocks(n) * kCodebookBytes + b * kBlock;
-      if (!quantize_block(x, len, cb, codes, b + 1 < num_blocks(n))) {
+      float* cb = reinterpret_cast<float*>(base + at.cb_off);
+      if (!quantize_one(bits, x, at.len, cb, base + at.codes_off, b + 1 < num_blocks(n))) {
         int64_t cur = bad.load();
         while (refs[t].job < cur && !bad.compare_exchange_weak(cur, refs[t].job)) {
         }
@@ -71,7 +115,8 @@ int64_t quantize_many(const std::vector<Job>& jobs) {
 constexpr int64_t kStreamBytes = int64_t(16) << 20;
 
 // Decodes each job (encoded source, n, float32 destination); accumulate adds into it.
-void dequantize_many(const std::vector<Job>& jobs, bool accumulate) {
+void dequantize_many(const std::vector<Job>& jobs, bool accumulate, int bits) {
+  check_bits(bits);
   const auto refs = blocks_of(jobs);
   int64_t total = 0;
   for (const auto& job : jobs) total += std::get<1>(job);
@@ -80,15 +125,14 @@ void dequantize_many(const std::vector<Job>& jobs, bool accumulate) {
   Pools::run(static_cast<int64_t>(refs.size()), [&](int64_t t) {
     const auto [src, n, dst] = jobs[refs[t].job];
     const int64_t b = refs[t].block;
-    const int64_t len = std::min(kBlock, n - b * kBlock);
+    const BlockAt at = block_at(n, b, bits);
     const uint8_t* base = reinterpret_cast<const uint8_t*>(src);
-    const float* cb = reinterpret_cast<const float*>(base + b * kCodebookBytes);
-    const uint8_t* codes = base + num_blocks(n) * kCodebookBytes + b * kBlock;
+    const float* cb = reinterpret_cast<const float*>(base + at.cb_off);
     float* out = reinterpret_cast<float*>(dst) + b * kBlock;
     if (accumulate) {
-      decode_block<1>(cb, codes, len, out);
+      decode_one<1>(bits, cb, base + at.codes_off, at.len, out);
     } else {
-      decode_block<0>(cb, codes, len, out, stream);
+      decode_one<0>(bits, cb, base + at.codes_off, at.len, out, stream);
       if (stream) store_fence();  // streamed stores are visible before the block is done
     }
   });
@@ -97,19 +141,19 @@ void dequantize_many(const std::vector<Job>& jobs, bool accumulate) {
 // out[:n] += decode(src) for each encoded source in the given order, then out /= divisor
 // (skipped when divisor == 1). The reduce step of the all-reduce, one pass per block.
 void reduce_into(std::uintptr_t out_ptr, int64_t n, const std::vector<std::uintptr_t>& srcs,
-                 float divisor) {
+                 float divisor, int bits) {
+  check_bits(bits);
   if (n < 0) throw std::invalid_argument("negative element count");
   py::gil_scoped_release release;
-  const int64_t nb = num_blocks(n);
-  Pools::run(nb, [&](int64_t b) {
-    const int64_t len = std::min(kBlock, n - b * kBlock);
+  Pools::run(num_blocks(n), [&](int64_t b) {
+    const BlockAt at = block_at(n, b, bits);
     float* out = reinterpret_cast<float*>(out_ptr) + b * kBlock;
     for (const std::uintptr_t src : srcs) {
       const uint8_t* base = reinterpret_cast<const uint8_t*>(src);
-      const float* cb = reinterpret_cast<const float*>(base + b * kCodebookBytes);
-      decode_block<1>(cb, base + nb * kCodebookBytes + b * kBlock, len, out);
+      decode_one<1>(bits, reinterpret_cast<const float*>(base + at.cb_off), base + at.codes_off,
+                    at.len, out);
     }
-    if (divisor != 1.0f) divide_block(out, len, divisor);
+    if (divisor != 1.0f) divide_block(out, at.len, divisor);
   });
 }
 
@@ -157,11 +201,20 @@ PYBIND11_MODULE(_kernels, m) {
   m.doc() = "prime_comm C++ kernels (raw-buffer interface, no libtorch)";
   m.attr("BLOCK") = kBlock;
   m.attr("LEVELS") = kLevels;
-  m.def("encoded_bytes", &encoded_bytes, py::arg("n"));
-  m.def("quantize_many", &quantize_many, py::arg("jobs"));
-  m.def("dequantize_many", &dequantize_many, py::arg("jobs"), py::arg("accumulate"));
+  m.attr("BITS") = py::make_tuple(8, 4, 2);
+  m.def(
+      "encoded_bytes",
+      [](int64_t n, int bits) {
+        check_bits(bits);
+        if (n < 0) throw std::invalid_argument("negative element count");
+        return encoded_bytes(n, bits);
+      },
+      py::arg("n"), py::arg("bits") = 8);
+  m.def("quantize_many", &quantize_many, py::arg("jobs"), py::arg("bits") = 8);
+  m.def("dequantize_many", &dequantize_many, py::arg("jobs"), py::arg("accumulate"),
+        py::arg("bits") = 8);
   m.def("reduce_into", &reduce_into, py::arg("out"), py::arg("n"), py::arg("srcs"),
-        py::arg("divisor"));
+        py::arg("divisor"), py::arg("bits") = 8);
   m.def("all_finite", &all_finite, py::arg("ptr"), py::arg("n"));
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("get_num_threads", &Pools::num_threads);

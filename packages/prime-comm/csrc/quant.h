@@ -26,6 +26,12 @@ constexpr int64_t kCodebookBytes = kLevels * sizeof(float);
 inline int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 inline int64_t encoded_bytes(int64_t n) { return num_blocks(n) * kCodebookBytes + n; }
 
+// The general layout (lowbit.h): 2^bits float32 entries per block, then bits per element.
+inline int64_t codebook_bytes(int bits) { return int64_t(4) << bits; }
+inline int64_t encoded_bytes(int64_t n, int bits) {
+  return num_blocks(n) * codebook_bytes(bits) + (n * bits + 7) / 8;
+}
+
 // ---- min / max / finite ------------------------------------------------------------------
 
 inline bool minmax_scalar(const float* x, int64_t n, float* lo_out, float* hi_out) {

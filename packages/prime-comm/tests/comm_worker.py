@@ -85,6 +85,10 @@ def case_bad(ctx, bad_rank, kind, n=1000):
             kwargs["op"] = "max"
         elif kind == "compression":
             kwargs["compression"] = "none"
+        elif kind == "compression_bits":
+            kwargs["compression"] = "uint4"
+        elif kind == "bad_compression":
+            kwargs["compression"] = "uint3"
         elif kind == "dtype":
             arg = x.double()
         elif kind == "noncontig":

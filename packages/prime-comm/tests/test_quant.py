@@ -14,6 +14,7 @@ import prime_comm
 from prime_comm import _kernels
 from prime_comm.reference import dequantize_ref as ref_decode
 from prime_comm.reference import quantize_ref as ref_quantize
+from prime_testkit.fixed_data import pseudo_random
 
 BLOCK = prime_comm.BLOCK
 
@@ -103,14 +104,6 @@ def test_output_identical_for_any_thread_count_and_simd_path():
     for data, y, acc in results[1:]:
         assert torch.equal(data, results[0][0]) and torch.equal(y, results[0][1])
         assert torch.equal(acc, results[0][2])
-
-
-def pseudo_random(n: int) -> torch.Tensor:
-    """Uniform-looking floats from exact integer arithmetic: the same on every machine."""
-    i = torch.arange(n, dtype=torch.int64)
-    s = (i * 2654435761 + 12345) % 1000003
-    s = (s * s + 7919 * i) % 1000003
-    return (s.to(torch.float64) / 1000003 - 0.5).float()
 
 
 @pytest.mark.parametrize(

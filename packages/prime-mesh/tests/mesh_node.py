@@ -26,6 +26,8 @@ def _mesh(coordinator: str, token: str, kwargs: dict):
     from prime_mesh import ElasticDeviceMesh
 
     kwargs = {"host": "127.0.0.1", **kwargs}
+    if "node_name" in kwargs:  # `name` is the test's own name for the node process
+        kwargs["name"] = kwargs.pop("node_name")
     return ElasticDeviceMesh(
         coordinator,
         token=token,

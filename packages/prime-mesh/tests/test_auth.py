@@ -18,20 +18,14 @@ from prime_mesh.wire import client_handshake, parse_address, read_frame, write_f
 from prime_testkit import free_port, wait_until
 
 TOKEN = "test-token-auth"
-
-
-@pytest.fixture
-def coordinator():
-    c = Coordinator("127.0.0.1", 0, token=TOKEN, min_nodes=3).start()
-    yield c
-    c.close()
+MIN_NODES = 3  # of the `coordinator` fixture (conftest.py)
 
 
 def _connect(coordinator):
     return socket.create_connection(parse_address(coordinator.address), timeout=10)
 
 
-class Recorder:
+class RecordingSocket:
     """A socket wrapper that keeps every byte the client sends, for replaying."""
 
     def __init__(self, sock):
@@ -86,7 +80,7 @@ def test_token_from_environment(coordinator, monkeypatch):
 def test_replayed_message_inside_a_connection_is_refused(coordinator, caplog):
     caplog.set_level(logging.WARNING, logger="prime_mesh.coordinator")
     sock = _connect(coordinator)
-    rec = Recorder(sock)
+    rec = RecordingSocket(sock)
     ch = client_handshake(rec, TOKEN.encode())
     ch.send({"type": "status", "id": 1})
     assert ch.recv()["status"]["epoch"] == 0
@@ -104,7 +98,7 @@ def test_replayed_message_inside_a_connection_is_refused(coordinator, caplog):
 def test_replayed_registration_in_a_new_connection_is_refused(coordinator, caplog):
     caplog.set_level(logging.WARNING, logger="prime_mesh.coordinator")
     sock = _connect(coordinator)
-    rec = Recorder(sock)
+    rec = RecordingSocket(sock)
     ch = client_handshake(rec, TOKEN.encode())
     ch.send(_register_msg())
     assert ch.recv()["node_id"] == "node-1"

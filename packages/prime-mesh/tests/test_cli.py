@@ -1,7 +1,9 @@
 """`prime-mesh coordinator` and `prime-mesh status` as real processes; the coordinator killed."""
 
+import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from mesh_node import BOUND, HB_TIMEOUT, mesh_nodes
+
+from prime_testkit import free_port
 
 CLI = str(Path(sys.executable).parent / "prime-mesh")
 TOKEN = "test-token-cli"
@@ -127,3 +131,68 @@ def test_cli_user_mistakes_are_clear(tmp_path):
     assert out.returncode == 2 and "HOST:PORT" in out.stderr
     out = _run("status", "--coordinator", "127.0.0.1:1", "--token-file", str(tmp_path / "missing"))
     assert out.returncode == 2 and "cannot read --token-file" in out.stderr
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses of this machine's TCP sockets listening on `port` (IPv6 ones as
+    "ipv6:HEX"), read from /proc."""
+    found = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(path).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                if len(addr) == 8:
+                    found.add(".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+                else:
+                    found.add(f"ipv6:{addr}")
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_and_its_store_listen_on_its_host_only(children):
+    store_port = free_port()
+    coord, address = _start_coordinator(children, "--store-port", str(store_port))
+    # torch's TCPStore alone would listen on every interface (ipv6 "::", dual stack)
+    assert _listening(int(address.rsplit(":", 1)[1])) == {"127.0.0.1"}
+    assert _listening(store_port) == {"127.0.0.1"}
+    out = _run("coordinator", "--host", "127.0.0.1", "--port", "0", "--store-port",
+               str(store_port), env_token=TOKEN)  # fmt: skip
+    assert out.returncode == 2 and "pick another --store-port" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    coord.send_signal(signal.SIGTERM)
+    assert coord.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(200)
+def test_node_names_show_and_a_live_nodes_name_is_refused(children):
+    coord, address = _start_coordinator(children, "--min-nodes", "2")
+    cluster = mesh_nodes(children, address, TOKEN)
+    for n in "ab":
+        cluster.start(n, node_name=f"dc1-{n}")
+    joined = {n: cluster.expect(n, "joined", timeout=120) for n in "ab"}
+    assert {j["node_id"] for j in joined.values()} == {"dc1-a", "dc1-b"}
+    out = _run("status", "--coordinator", address, env_token=TOKEN)
+    assert out.returncode == 0 and "epoch 1, 2 members" in out.stdout, out.stdout
+    assert re.search(r"dc1-a +member", out.stdout) and re.search(r"dc1-b +member", out.stdout)
+
+    # A second live node under a name that a live node holds: refused, after waiting one
+    # heartbeat timeout in case the holder had died.
+    started = time.monotonic()
+    cluster.start("twin", node_name="dc1-a")
+    err = cluster.expect("twin", "error", timeout=60)
+    assert err["type"] == "MeshNameTaken", err
+    assert "the node name 'dc1-a' is held by a live node of this run (member" in err["msg"]
+    assert "--mesh.node_name" in err["msg"] and f"after {HB_TIMEOUT:g} s" in err["msg"]
+    assert HB_TIMEOUT <= time.monotonic() - started < BOUND + 30
+    assert "dc1-a" in _run("status", "--coordinator", address, env_token=TOKEN).stdout
+
+    # The holder dies; the node restarted under its name takes it back.
+    cluster.signal("a", signal.SIGKILL)
+    cluster.start("a-again", node_name="dc1-a", wait=False)
+    again = cluster.expect("a-again", "registered", timeout=60)
+    assert again["node_id"] == "dc1-a" and again["state"] == "joining", again
+    out = _run("status", "--coordinator", address, "--json", env_token=TOKEN).stdout
+    nodes = {n["node_id"]: n["state"] for n in json.loads(out)["nodes"]}
+    assert nodes == {"dc1-b": "member", "dc1-a": "joining"}, nodes
+    cluster.send(["b", "a-again"], "exit")

@@ -9,21 +9,10 @@ import time
 import pytest
 from mesh_node import BOUND, mesh_nodes
 
-from prime_mesh import Coordinator
-from prime_testkit import wait_until
+from prime_testkit import node_states, wait_until
 
 TOKEN = "test-token-failover"
-
-
-@pytest.fixture
-def coordinator():
-    c = Coordinator("127.0.0.1", 0, token=TOKEN, min_nodes=4).start()
-    yield c
-    c.close()
-
-
-def _states(coordinator):
-    return [n["state"] for n in coordinator.status()["nodes"]]
+MIN_NODES = 4  # of the `coordinator` fixture (conftest.py)
 
 
 def _form(children, coordinator, names):
@@ -85,7 +74,11 @@ def test_sigkill_vote_join_and_leave(children, coordinator):
 
     # A joiner blocks until the members' next sync point, then goes last.
     cluster.start("e")
-    wait_until(lambda: _states(coordinator).count("joining") == 1, 60, what="joiner registered")
+    wait_until(
+        lambda: list(node_states(coordinator).values()).count("joining") == 1,
+        60,
+        what="joiner registered",
+    )
     time.sleep(0.5)
     with pytest.raises(TimeoutError):
         cluster.get("e", timeout=0.5)  # not admitted between sync points
@@ -173,7 +166,9 @@ def test_sigstop_straggler_is_released_evicted_and_rejoins(children, coordinator
     assert err["type"] == "MeshEvicted" and "evicted" in err["msg"] and "rejoin" in err["msg"], err
     cluster.send("d", "rejoin")
     wait_until(
-        lambda: _states(coordinator).count("joining") == 1, 60, what="straggler re-registered"
+        lambda: list(node_states(coordinator).values()).count("joining") == 1,
+        60,
+        what="straggler re-registered",
     )
     cluster.send(survivors, "reinit")
     d = cluster.expect("d", "joined", timeout=BOUND + 30)

@@ -1,28 +1,7 @@
 """The coordinator's state machine alone (no sockets): registering, waiting, joining, member."""
 
 from prime_mesh.membership import Membership
-
-
-class FakeConn:
-    peer = "test"
-
-    def __init__(self) -> None:
-        self.sent: list[dict] = []
-        self.closed = False
-
-    def send(self, msg: dict) -> None:
-        self.sent.append(msg)
-
-    def close_after_flush(self) -> None:
-        self.closed = True
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from prime_testkit import FakeClock, FakeConn
 
 
 def _register(m: Membership, key: str, lr: int = 0, lws: int = 1, ready: bool | None = None):
@@ -33,7 +12,8 @@ def _register(m: Membership, key: str, lr: int = 0, lws: int = 1, ready: bool | 
     return m.register(conn, msg), conn
 
 
-def _states(m: Membership) -> dict[str, str]:
+def states_by_key(m: Membership) -> dict[str, str]:
+    """Each node's state by the key it registered with (`_register`'s metadata)."""
     return {n["metadata"]["k"]: n["state"] for n in m.status()["nodes"]}
 
 
@@ -47,9 +27,9 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
     a, ca = _register(m, "a", ready=False)
     b, cb = _register(m, "b")
     # "b" is ready, "a" is not: min_nodes counts only ready nodes, so nothing forms
-    assert m.epoch == 0 and _states(m) == {"a": "waiting", "b": "joining"}
+    assert m.epoch == 0 and states_by_key(m) == {"a": "waiting", "b": "joining"}
     m.ready(a, 0)
-    assert m.epoch == 1 and _states(m) == {"a": "member", "b": "member"}
+    assert m.epoch == 1 and states_by_key(m) == {"a": "member", "b": "member"}
     # the run forms in the order nodes became ready; no sync point admitted them
     assert m.epoch_info()["members"] == [b.node_id, a.node_id]
     assert m.epoch_info()["joined"] == []
@@ -57,13 +37,13 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
     # a waiting node is visible (with its metadata) but sync points do not admit it
     c, cc = _register(m, "c", ready=False)
     _sync_all(m, [(a, ca), (b, cb)])
-    assert m.epoch == 1 and _states(m)["c"] == "waiting"
+    assert m.epoch == 1 and states_by_key(m)["c"] == "waiting"
     assert next(n for n in m.status()["nodes"] if n["node_id"] == c.node_id)["metadata"] == {
         "k": "c"
     }
     m.ready(c, 0)
     m.ready(c, 0)  # twice is harmless
-    assert m.epoch == 1 and _states(m)["c"] == "joining"  # only at the next sync point
+    assert m.epoch == 1 and states_by_key(m)["c"] == "joining"  # only at the next sync point
     _sync_all(m, [(a, ca), (b, cb)])
     assert m.epoch == 2 and m.epoch_info()["members"][-1] == c.node_id
     assert m.epoch_info()["joined"] == [c.node_id]  # its first sync point is this one
@@ -75,9 +55,9 @@ def test_a_node_that_never_opts_in_is_admitted_as_before():
     a, ca = _register(m, "a")  # no "ready" field: an older client
     assert m.epoch == 1
     _register(m, "b", ready=True)
-    assert _states(m)["b"] == "joining"
+    assert states_by_key(m)["b"] == "joining"
     _sync_all(m, [(a, ca)])
-    assert m.epoch == 2 and _states(m) == {"a": "member", "b": "member"}
+    assert m.epoch == 2 and states_by_key(m) == {"a": "member", "b": "member"}
 
 
 def test_every_local_rank_must_be_ready():
@@ -86,20 +66,20 @@ def test_every_local_rank_must_be_ready():
     a1, ca1 = _register(m, "a", lr=1, lws=2)
     assert m.epoch == 1
     b0, _ = _register(m, "b", lr=0, lws=2, ready=False)
-    assert _states(m)["b"] == "registering"
+    assert states_by_key(m)["b"] == "registering"
     _register(m, "b", lr=1, lws=2, ready=True)
-    assert _states(m)["b"] == "waiting"
+    assert states_by_key(m)["b"] == "waiting"
     m.ready(b0, 1)  # rank 1 again: still waiting for rank 0
-    assert _states(m)["b"] == "waiting"
+    assert states_by_key(m)["b"] == "waiting"
     m.ready(b0, 0)
-    assert _states(m)["b"] == "joining"
+    assert states_by_key(m)["b"] == "joining"
     for lr, conn in ((0, ca0), (1, ca1)):
         m.sync(a0, lr, conn, 1, {"epoch": m.epoch, "admit": True})
-    assert m.epoch == 2 and _states(m) == {"a": "member", "b": "member"}
+    assert m.epoch == 2 and states_by_key(m) == {"a": "member", "b": "member"}
 
 
 def test_a_waiting_node_that_dies_changes_no_epoch():
-    clock = Clock()
+    clock = FakeClock()
     m = Membership(min_nodes=1, clock=clock)
     a, ca = _register(m, "a")
     w, cw = _register(m, "w", ready=False)  # stalls: no heartbeat
@@ -112,7 +92,7 @@ def test_a_waiting_node_that_dies_changes_no_epoch():
     clock.now += 10.0
     m.heartbeat(a, 0)
     m.tick()
-    assert _states(m) == {"a": "member"} and m.epoch == 1
+    assert states_by_key(m) == {"a": "member"} and m.epoch == 1
     assert cw.closed and ck.closed
     assert not [msg for msg in ca.sent if msg.get("type") == "epoch" and msg["epoch"]["epoch"] > 1]
     _sync_all(m, [(a, ca)])  # the member's sync point goes through unchanged

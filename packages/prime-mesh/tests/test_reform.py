@@ -11,29 +11,9 @@ from prime_mesh import Coordinator, MeshAuthError, MeshRefused
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.membership import Membership
 from prime_mesh.wire import resolve_token
-from prime_testkit import free_port, wait_until
+from prime_testkit import FakeClock, FakeConn, free_port, wait_until
 
 TOKEN = "test-token-reform"
-
-
-class FakeConn:
-    peer = "test:1"
-
-    def __init__(self) -> None:
-        self.sent: list[dict] = []
-
-    def send(self, msg: dict) -> None:
-        self.sent.append(msg)
-
-    def close_after_flush(self) -> None:
-        pass
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _reconnect(m: Membership, key: str, node_id: str, epoch: int, step: int, digest: str):
@@ -50,7 +30,7 @@ def _reconnect(m: Membership, key: str, node_id: str, epoch: int, step: int, dig
 
 
 def test_reform_keeps_rank_order_numbers_above_and_sends_the_stale_node_away():
-    clock = Clock()
+    clock = FakeClock()
     m = Membership(min_nodes=5, clock=clock, reform_wait=30.0)  # min_nodes is not applied
     _reconnect(m, "k3", "node-3", 7, 4, "old")  # a round behind: sent to rejoin
     _, conn5 = _reconnect(m, "k5", "node-5", 7, 5, "h")
@@ -72,7 +52,7 @@ def test_reform_keeps_rank_order_numbers_above_and_sends_the_stale_node_away():
 
 
 def test_reform_without_missing_members_after_the_wait_and_late_ones_rejoin():
-    clock = Clock()
+    clock = FakeClock()
     m = Membership(min_nodes=3, clock=clock, reform_wait=30.0)
     node, _ = _reconnect(m, "k5", "node-5", 3, 9, "h")
     for clock.now in (29.0, 31.0):

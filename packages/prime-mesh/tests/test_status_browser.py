@@ -6,7 +6,7 @@ import signal
 import sys
 
 import pytest
-from prime_browser import canvas_ink, chromium
+from prime_browser import canvas_ink, chromium, table
 
 from prime_mesh import Coordinator
 from prime_testkit import wait_until
@@ -31,15 +31,6 @@ while True:
 def start_node(children, address, label):
     env = {**os.environ, "PRIME_TOKEN": TOKEN, "COORD": address, "LABEL": label}
     return children.popen([sys.executable, "-c", NODE], env=env)
-
-
-def table(session, table_id: str) -> list[list[str]]:
-    """The rows of a table as a person reads them (read in one go: the page redraws it)."""
-    return session.execute_script(
-        "return [...document.querySelectorAll(`#${arguments[0]} tbody tr`)]"
-        ".map(r => [...r.cells].map(c => c.innerText.trim()));",
-        table_id,
-    )
 
 
 def node_rows(session) -> dict[str, list[str]]:

@@ -15,14 +15,10 @@ import pytest
 from mesh_node import BOUND, HB_TIMEOUT, mesh_nodes
 
 from prime_mesh import Coordinator
-from prime_testkit import wait_until
+from prime_testkit import node_states, wait_until
 
 TOKEN = "test-token-waiting"
 CLI = str(Path(sys.executable).parent / "prime-mesh")
-
-
-def _states(coordinator) -> dict[str, str]:
-    return {n["node_id"]: n["state"] for n in coordinator.status()["nodes"]}
 
 
 def _round(cluster, values: dict[str, float]) -> dict[str, dict]:
@@ -90,14 +86,14 @@ def test_waiting_joiners_are_visible_never_waited_for_and_admitted_when_ready(ch
         cluster.signal("k", signal.SIGKILL)
         cluster.signal("s", signal.SIGSTOP)
         stopped_at = time.monotonic()
-        wait_until(lambda: len(_states(coord)) == 4, BOUND, what="the killed joiner dropped")
+        wait_until(lambda: len(node_states(coord)) == 4, BOUND, what="the killed joiner dropped")
         while time.monotonic() - stopped_at < HB_TIMEOUT + 1:
             r = _round(cluster, value)
             assert all(
                 not x["changed"] and x["epoch"] == epoch and x["mean"] == 2.0 for x in r.values()
             )
-        wait_until(lambda: len(_states(coord)) == 3, BOUND, what="the stalled joiner dropped")
-        assert sorted(_states(coord).values()) == ["member", "member", "waiting"]
+        wait_until(lambda: len(node_states(coord)) == 3, BOUND, what="the stalled joiner dropped")
+        assert sorted(node_states(coord).values()) == ["member", "member", "waiting"]
         assert coord.status()["epoch"] == epoch
         cluster.signal("s", signal.SIGCONT)
         cluster.send("s", "check")
@@ -108,7 +104,7 @@ def test_waiting_joiners_are_visible_never_waited_for_and_admitted_when_ready(ch
         # is that one, so it meets the members in the collective that follows.
         cluster.send("w", "ready")
         assert cluster.expect("w", "ready")["state"] == "joining"
-        assert sorted(_states(coord).values()) == ["joining", "member", "member"]
+        assert sorted(node_states(coord).values()) == ["joining", "member", "member"]
         value["w"] = 8.0
         r = _round(cluster, value)
         assert {(x["epoch"], x["world"], x["mean"]) for x in r.values()} == {(epoch + 1, 3, 4.0)}

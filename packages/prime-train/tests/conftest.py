@@ -3,7 +3,6 @@ one CLI runner (a clean `PRIME_*` environment, bounded by a timeout)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from prime_testkit import clean_env
 from prime_train.config import Config
 from prime_train.config_load import load_config
 
@@ -37,21 +37,15 @@ def tiny_args(runs_dir: Path, *extra: str) -> list[str]:
     return ["--config", str(DEBUG), "--run.runs_dir", str(runs_dir), *TINY, *extra]
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without PRIME_* settings, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
-    return {**env, **extra}
-
-
 @pytest.fixture
 def tiny(tmp_path) -> Callable[..., Config]:
     """`tiny(*overrides)`: the tiny run's Config, with its runs folder under tmp_path."""
 
-    def make(*extra: str) -> Config:
+    def tiny_config(*extra: str) -> Config:
         args = tiny_args(tmp_path / "runs", *extra)
         return load_config(args[1], args[2:], env={})
 
-    return make
+    return tiny_config
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,10 @@ def test_bad_data_path_is_clear(tmp_path, run_cli):
         (["--model.dim", "130"], "divisible by n_heads"),
         (["--model.vocab_size", "100"], "set model.vocab_size >= 257"),
         (["--train.device", "cuda"], "no CUDA device"),
+        (  # nothing is sent: the check comes before any connection
+            ["--mesh.coordinator", "192.0.2.1:29500", "--mesh.host", "127.0.0.1"],
+            "--mesh.host: host '127.0.0.1' is reachable from this machine only",
+        ),
     ],
 )
 def test_combined_settings_errors_are_clear(tmp_path, override, expect, run_cli):

@@ -26,6 +26,14 @@ def test_defaults_without_file():
     assert cfg.diloco.compression == "uint8" and cfg.launch.local_nodes == 1
 
 
+@pytest.mark.parametrize("width", ["uint4", "uint2"])
+def test_low_bit_compression_is_accepted_and_passed_through(tmp_path, width):
+    p = write(tmp_path, f'[diloco]\ncompression = "{width}"\n')
+    assert load_config(p, [], env={}).diloco.compression == width
+    cfg = load_config(None, ["--diloco.compression", width], env={})
+    assert cfg.diloco.compression == width
+
+
 def test_precedence_cli_over_env_over_toml_over_default(tmp_path):
     p = write(tmp_path, "[train]\nsteps = 5\nbatch_size = 3\n[optim]\nlr = 0.5\n")
     env = {"PRIME_TRAIN__STEPS": "7", "PRIME_OPTIM__LR": "0.25"}

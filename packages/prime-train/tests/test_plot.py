@@ -13,7 +13,8 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def node_rows(shift: float, epochs: list[tuple[int, int]]) -> list[dict]:
+def fake_metrics(shift: float, epochs: list[tuple[int, int]]) -> list[dict]:
+    """The metrics rows of a node whose outer step k had epochs[k-1] = (epoch, members)."""
     rows = [{"step": 0, "eval_loss": 5.5}]
     for k, (epoch, nodes) in enumerate(epochs, start=1):
         step = 20 * k
@@ -28,10 +29,10 @@ def test_plot_several_run_folders_marks_membership_changes(tmp_path):
     # machine a: node 0 throughout; node 1 died after outer step 2, a new node joined at 4
     a, b = tmp_path / "a" / "debug", tmp_path / "b" / "debug"
     epochs0 = [(1, 2), (1, 2), (2, 1), (3, 2), (3, 2)]
-    write_rows(a / "metrics.jsonl", node_rows(0.0, epochs0))
-    write_rows(b / "metrics-node1.jsonl", node_rows(0.1, [(1, 2), (1, 2)]))
-    write_rows(b / "metrics-node2.jsonl", node_rows(0.2, [(3, 2), (3, 2)])[2:])
-    assert membership_changes(node_rows(0, epochs0)) == [(60, 2, 1), (80, 3, 2)]
+    write_rows(a / "metrics.jsonl", fake_metrics(0.0, epochs0))
+    write_rows(b / "metrics-node1.jsonl", fake_metrics(0.1, [(1, 2), (1, 2)]))
+    write_rows(b / "metrics-node2.jsonl", fake_metrics(0.2, [(3, 2), (3, 2)])[2:])
+    assert membership_changes(fake_metrics(0, epochs0)) == [(60, 2, 1), (80, 3, 2)]
     assert [label for label, _ in node_files(b)] == ["node 1", "node 2"]
     out = tmp_path / "loss.png"
     r = subprocess.run(
@@ -43,7 +44,7 @@ def test_plot_several_run_folders_marks_membership_changes(tmp_path):
 
 
 def test_plot_refuses_a_folder_without_metrics(tmp_path):
-    write_rows(tmp_path / "a" / "metrics.jsonl", node_rows(0.0, [(1, 1)]))
+    write_rows(tmp_path / "a" / "metrics.jsonl", fake_metrics(0.0, [(1, 1)]))
     r = subprocess.run(
         [sys.executable, "-m", "prime_train.cli", "plot", str(tmp_path / "a"),
          str(tmp_path / "empty")],

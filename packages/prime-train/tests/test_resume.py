@@ -18,13 +18,13 @@ STEPS = 30
 def args(tiny_cli_args):
     """`args(runs_dir, steps)`: the tiny run, a progress line every step, a checkpoint every 5."""
 
-    def make(runs_dir, steps=STEPS):
+    def run_args(runs_dir, steps=STEPS):
         return tiny_cli_args(
             runs_dir, "--run.log_every", "1", "--train.batch_size", "4",
             "--train.steps", str(steps), "--eval.every", "10", "--ckpt.every", "5",
         )  # fmt: skip
 
-    return make
+    return run_args
 
 
 def losses(run_dir):

@@ -73,3 +73,21 @@ def test_remote_prefix_keeps_ckpt_keep_and_refuses_another_run(tmp_path, run_cli
     assert e.returncode == 0, e.stderr[-2000:]
     assert "no checkpoint of node 'n2' in any tier" in e.stdout and "holds ['n1']" in e.stdout
     assert "resumed" not in e.stdout
+
+
+def test_default_node_names_are_unique_on_a_machine_and_survive_restarts(tmp_path):
+    """Without --mesh.node_name: the host name plus a hash of the checkpoint folder (nodes
+    started by hand on one machine each have their own), or plus -K for the launcher's node K;
+    names the coordinator and MeshConfig both accept."""
+    import socket
+
+    from prime_mesh.address import check_name
+    from prime_train.config import MeshConfig
+    from prime_train.placement import default_node_name
+
+    a = default_node_name(tmp_path / "a" / "runs" / "debug" / "ckpt", None)
+    assert a == default_node_name(tmp_path / "a" / "runs" / "debug" / "ckpt", None)  # restart
+    assert a != default_node_name(tmp_path / "b" / "runs" / "debug" / "ckpt", None)
+    assert a.startswith(socket.gethostname() + "-")
+    assert default_node_name(tmp_path / "c", 3) == f"{socket.gethostname()}-3"
+    assert check_name(a) == MeshConfig(node_name=a).node_name == a

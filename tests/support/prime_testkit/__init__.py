@@ -1,22 +1,63 @@
-"""The workspace's test kit (tests/support is on pytest's pythonpath).
+"""The workspace's test kit (tests/support is on pytest's pythonpath): every helper that more
+than one test file uses lives here, once, one module per concern.
 
-- `Children` (and the `children` fixture of the root conftest.py): child processes in their
-  own process group that die with the test process and are killed and reaped at teardown;
-  `free_port`, `wait_until` (every wait bounded), `die_with_parent`.
-- `Nodes`: named node processes driven through command and report queues, for tests that
-  kill or stop their processes.
-- `cli_node`: the command and environment of one `prime-train` node in its own folder.
-- `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
-- `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`).
-- `RankPool` (and the session-scoped `rank_pool` fixture): four rank processes in one gloo
-  world, started once per session, that run test cases in groups of 1..4 ranks.
+- children: `Children` (and the `children` fixture of the root conftest.py): child processes
+  in their own process group that die with the test process and are killed and reaped at
+  teardown; `free_port`, `wait_until` (every wait bounded), `die_with_parent`.
+- nodes: `Nodes`: named node processes driven through command and report queues, for tests
+  that kill or stop their processes.
+- cli_node: prime-train nodes through the real CLI. `debug_args` (configs/debug.toml with a
+  runs folder and a token cache), `clean_env` (no PRIME_* settings); `cli_node` /
+  `start_cli_node`: a node in its own working folder; `start_coordinator_cli`: `prime-mesh
+  coordinator` as its own process; `start_local_node(s)`: node k of nodes
+  sharing one runs folder (PRIME_LOCAL_NODE=k); `run_local_nodes`: such a job with its
+  coordinator, run to its end or stopped with SIGTERM. The root conftest.py's module-scoped
+  `token_cache` fixture is the token cache of a module's runs.
+- runs: what a run leaves behind. `node_metrics` (node k's rows in a shared runs folder),
+  `folder_metrics` (a node in its own folder), `outer_rows` / `outer_by_step` /
+  `outer_hashes` (its outer steps), `trace` (what a resumed run must reproduce: by
+  default the `TRACED` values),
+  `log_tails` (every log of a test's folder, for a failing assertion).
+- fixed_data: `pseudo_random`, floats that are the same on every machine (pinned digests).
+- mesh: prime-mesh's coordinator from a test: `node_states`, and `FakeConn` / `FakeClock`
+  that drive its Membership state machine without sockets. The prime-mesh tests' conftest.py
+  has the `coordinator` fixture (the module's TOKEN and MIN_NODES).
+- ckpt: `make_checkpoint`, a committed prime-ckpt step folder written by hand.
+- gloo: `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
+- s3: `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`).
+- pool, worker: `RankPool` (and the session-scoped `rank_pool` fixture): four rank processes
+  in one gloo world, started once per session, that run test cases in groups of 1..4 ranks.
+
+Beside the kit in tests/support: prime_browser (headless Chromium: `chromium`, `table`,
+`canvas_ink`) and prime_netbed (the WAN bed of network namespaces, root only).
 """
 
 from typing import Any
 
 from prime_testkit.children import Children, die_with_parent, free_port, load_target, wait_until
-from prime_testkit.cli_node import cli_node
+from prime_testkit.ckpt import make_checkpoint
+from prime_testkit.cli_node import (
+    clean_env,
+    cli_node,
+    debug_args,
+    run_local_nodes,
+    start_cli_node,
+    start_coordinator_cli,
+    start_local_node,
+    start_local_nodes,
+)
+from prime_testkit.mesh import FakeClock, FakeConn, node_states
 from prime_testkit.nodes import Nodes
+from prime_testkit.runs import (
+    TRACED,
+    folder_metrics,
+    log_tails,
+    node_metrics,
+    outer_by_step,
+    outer_hashes,
+    outer_rows,
+    trace,
+)
 
 # These import torch: loaded on first use, so that plain child processes stay light.
 _LAZY = {
@@ -42,17 +83,36 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CREDENTIALS",
     "DEFAULT_TIMEOUT",
-    "MotoS3",
+    "TRACED",
     "Children",
+    "FakeClock",
+    "FakeConn",
+    "MotoS3",
     "Nodes",
     "RankContext",
     "RankPool",
     "case_spec",
+    "clean_env",
     "cli_node",
+    "debug_args",
     "die_with_parent",
+    "folder_metrics",
     "free_port",
     "gloo_group",
     "gloo_world",
     "load_target",
+    "log_tails",
+    "make_checkpoint",
+    "node_metrics",
+    "node_states",
+    "outer_by_step",
+    "outer_hashes",
+    "outer_rows",
+    "run_local_nodes",
+    "start_cli_node",
+    "start_coordinator_cli",
+    "start_local_node",
+    "start_local_nodes",
+    "trace",
     "wait_until",
 ]

@@ -1,8 +1,9 @@
-"""prime_comm: uint8 quantization kernels and a compressed all-reduce over torch.distributed."""
+"""prime_comm: 8/4/2-bit quantization kernels and a compressed all-reduce over torch.distributed."""
 
 from prime_comm.allreduce import AllReduceStats, all_reduce, ring_bytes
 from prime_comm.errors import CollectiveAborted
 from prime_comm.quant import (
+    BITS,
     BLOCK,
     LEVELS,
     QuantizedTensor,
@@ -16,6 +17,7 @@ from prime_comm.quant import (
 )
 
 __all__ = [
+    "BITS",
     "BLOCK",
     "LEVELS",
     "AllReduceStats",

@@ -14,7 +14,7 @@ import torch
 from prime_comm._wait import Waiter
 
 OPS = ("avg", "sum")
-COMPRESSIONS = ("uint8", "none")
+COMPRESSIONS = ("uint8", "none", "uint4", "uint2")  # append only: the index is on the wire
 _HEAD = struct.Struct("<qqqq")  # numel, op index, compression index, all finite
 _MSG_BYTES = 240
 RECORD_BYTES = _HEAD.size + _MSG_BYTES

@@ -1,6 +1,7 @@
 """A compressed, abortable all-reduce over any torch.distributed process group (gloo, CPU).
 
-uint8 path, per rank r of W: the flat tensor is cut into W chunks, chunk j owned by rank j.
+Quantized paths ("uint8", "uint4", "uint2": 8, 4 or 2 bits per element, prime_comm.quant),
+per rank r of W: the flat tensor is cut into W chunks, chunk j owned by rank j.
 1. Reduce-scatter by direct exchange (all_to_all): every rank quantizes its slice of chunk j
    once and sends it to rank j, which adds the W - 1 decoded slices to its own exact values
    in float32, in rank order (and divides by W for "avg").
@@ -27,6 +28,7 @@ from prime_comm._checks import tensor_problem
 from prime_comm._wait import Waiter, parse_timeout
 
 MIN_PIECE = 1 << 16
+BITS = {"uint8": 8, "uint4": 4, "uint2": 2}  # compression -> bits per element
 DEFAULT_PIECE = 1 << 18
 _ALIGN = 64  # slots start on cache lines (codebooks are read as float32)
 
@@ -67,8 +69,9 @@ def all_reduce(
 ) -> AllReduceStats:
     """All-reduce a contiguous float32 CPU tensor in place; every rank ends bit-identical.
 
-    op: "avg" or "sum". compression: "uint8" (blockwise codebooks, ~0.254x the bytes of
-    float32) or "none" (float32 through the group's own all_reduce). timeout (seconds or a
+    op: "avg" or "sum". compression: "uint8", "uint4" or "uint2" (blockwise codebooks, about
+    0.254x, 0.125x and 0.063x the bytes of float32) or "none" (float32 through the group's own
+    all_reduce). timeout (seconds or a
     timedelta) bounds the whole call; should_abort is polled at least every 0.25 s. Either
     one ending the call raises CollectiveAborted. piece_size: elements per pipelined piece.
     """
@@ -100,7 +103,7 @@ def all_reduce(
         problem = problem or ValueError(f"op must be 'avg' or 'sum', got {op!r}")
     if comp_i < 0:
         problem = problem or ValueError(
-            f"compression must be 'uint8' or 'none', got {compression!r}"
+            f"compression must be 'uint8', 'uint4', 'uint2' or 'none', got {compression!r}"
         )
     if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < MIN_PIECE:
         problem = problem or ValueError(
@@ -119,7 +122,8 @@ def all_reduce(
         if compression == "none":
             s, r = _fp32_all_reduce(pg, flat, world, op, waiter)
         else:
-            s, r = _Uint8AllReduce(pg, flat, world, rank, op, piece_size, waiter).run()
+            bits = BITS[compression]
+            s, r = _QuantAllReduce(pg, flat, world, rank, op, piece_size, waiter, bits).run()
         sent, received = sent + s, received + r
     return AllReduceStats(
         sent, received, time.perf_counter() - start, max(numel, 0), world, str(compression)
@@ -165,15 +169,16 @@ def _fp32_all_reduce(pg, flat: torch.Tensor, world: int, op: str, waiter: Waiter
     return ring, ring
 
 
-def _slot(n: int) -> int:
-    return -(-_kernels.encoded_bytes(n) // _ALIGN) * _ALIGN
+def _slot(n: int, bits: int) -> int:
+    return -(-_kernels.encoded_bytes(n, bits) // _ALIGN) * _ALIGN
 
 
-class _Uint8AllReduce:
-    """One uint8 all-reduce: the chunk/piece geometry and the pipelined schedule."""
+class _QuantAllReduce:
+    """One quantized all-reduce: the chunk/piece geometry and the pipelined schedule."""
 
-    def __init__(self, pg, flat, world, rank, op, piece, waiter) -> None:
+    def __init__(self, pg, flat, world, rank, op, piece, waiter, bits) -> None:
         self.pg, self.flat, self.world, self.rank, self.waiter = pg, flat, world, rank, waiter
+        self.bits = bits
         self.divisor = float(world) if op == "avg" else 1.0
         n = flat.numel()
         self.chunk = -(-n // world)
@@ -206,8 +211,8 @@ class _Uint8AllReduce:
     def _issue_rs(self, r: int):
         self.waiter.check()
         me, world = self.rank, self.world
-        in_splits = [0 if j == me else _slot(self._len(j, r)) for j in range(world)]
-        out_splits = [0 if i == me else _slot(self._len(me, r)) for i in range(world)]
+        in_splits = [0 if j == me else _slot(self._len(j, r), self.bits) for j in range(world)]
+        out_splits = [0 if i == me else _slot(self._len(me, r), self.bits) for i in range(world)]
         send = torch.empty(sum(in_splits), dtype=torch.uint8)
         recv = torch.empty(sum(out_splits), dtype=torch.uint8)
         jobs, off = [], 0
@@ -215,9 +220,10 @@ class _Uint8AllReduce:
             if in_splits[j]:
                 n = self._len(j, r)
                 jobs.append((self._ptr(j, r), n, send.data_ptr() + off))
-                send[off + _kernels.encoded_bytes(n) : off + in_splits[j]].zero_()
+                send[off + _kernels.encoded_bytes(n, self.bits) : off + in_splits[j]].zero_()
             off += in_splits[j]
-        if _kernels.quantize_many(jobs) >= 0:  # pre-flight saw finite data: it changed since
+        # The pre-flight saw finite data: a NaN or Inf now means it changed since.
+        if _kernels.quantize_many(jobs, self.bits) >= 0:
             raise RuntimeError("all_reduce: the tensor was modified during the call")
         work = self.waiter.issue(
             lambda: self.pg.alltoall_base(recv, send, out_splits, in_splits),
@@ -235,16 +241,17 @@ class _Uint8AllReduce:
                 offsets.append(off)
             off += out_splits[i]
         _kernels.reduce_into(
-            self._ptr(self.rank, r), self._len(self.rank, r), offsets, self.divisor
+            self._ptr(self.rank, r), self._len(self.rank, r), offsets, self.divisor, self.bits
         )
 
     def _issue_ag(self, r: int):
         self.waiter.check()
-        size = _slot(self._len(0, r))  # chunk 0 is the longest: every slot fits
+        size = _slot(self._len(0, r), self.bits)  # chunk 0 is the longest: every slot fits
         n = self._len(self.rank, r)
         send = torch.empty(size, dtype=torch.uint8)
-        send[_kernels.encoded_bytes(n) :].zero_()
-        if _kernels.quantize_many([(self._ptr(self.rank, r), n, send.data_ptr())]) >= 0:
+        send[_kernels.encoded_bytes(n, self.bits) :].zero_()
+        job = [(self._ptr(self.rank, r), n, send.data_ptr())]
+        if _kernels.quantize_many(job, self.bits) >= 0:
             raise RuntimeError("all_reduce: the tensor was modified during the call")
         recv = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
         work = self.waiter.issue(lambda: self.pg.allgather([recv], [send]), f"all-gather piece {r}")
@@ -260,4 +267,4 @@ class _Uint8AllReduce:
             for i in range(self.world)
             if self._len(i, r)
         ]
-        _kernels.dequantize_many(jobs, False)
+        _kernels.dequantize_many(jobs, False, self.bits)

@@ -1,9 +1,16 @@
-"""uint8 quantization of float32 CPU tensors (C++ kernels, blockwise codebooks).
+"""8-, 4- and 2-bit quantization of float32 CPU tensors (C++ kernels, blockwise codebooks).
 
-Scheme: the flat tensor is cut into blocks of `BLOCK` (65536) elements. Each block's
-[min, max] is split into 256 equal bins; an element's code is its bin, and the block's
-codebook entry for a bin is the mean of the elements that fell into it. Encoded layout:
-`[n_blocks x 256 float32 codebooks][numel uint8 codes]`, 1 + 1024/65536 bytes per element.
+The flat tensor is cut into blocks of `BLOCK` (65536) elements, each with its own codebook of
+2^bits float32 entries. Encoded layout: `[n_blocks x 2^bits float32 codebooks][packed codes]`.
+
+- bits=8: each block's [min, max] is split into 256 equal bins; an element's code is its
+  bin, and the codebook entry for a bin is the mean of the elements that fell into it.
+  1 + 1024/65536 bytes per element.
+- bits=4 and 2: the codebook is the Lloyd-Max levels of a normal distribution scaled to the
+  block (mean + std * level, clamped to [min, max]); an element's code is its nearest level.
+  Codes are packed 2 or 4 to a byte: in groups of 32 (64) elements, byte j holds elements
+  j, j + 16 (, j + 32, j + 48) from the low bits up; a final partial group is packed in order.
+  0.5 + 64/65536 and 0.25 + 16/65536 bytes per element.
 """
 
 from __future__ import annotations
@@ -16,26 +23,37 @@ from prime_comm import _kernels
 from prime_comm._checks import check_float_tensor
 
 BLOCK: int = _kernels.BLOCK
-LEVELS: int = _kernels.LEVELS
-_CODEBOOK_BYTES = LEVELS * 4
+LEVELS: int = _kernels.LEVELS  # of the default 8-bit codebook; 2**bits in general
+BITS: tuple[int, ...] = tuple(_kernels.BITS)  # the supported code widths: 8, 4, 2
 # Results at least this large come from the kernels' buffer cache (fresh memory faults in
 # page by page at a cost close to the kernel's own); smaller ones from torch.empty.
 _POOLED_BYTES = 1 << 20
 
 
-def encoded_nbytes(numel: int) -> int:
-    """Bytes of the encoding of `numel` floats (codebooks plus one code per element)."""
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int (8, 4 or 2), got {type(bits).__name__}")
+    if bits not in BITS:
+        raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
+    return bits
+
+
+def encoded_nbytes(numel: int, bits: int = 8) -> int:
+    """Bytes of the encoding of `numel` floats at `bits` per code (codebooks plus codes):
+    `ceil(numel / BLOCK) * 4 * 2**bits + ceil(numel * bits / 8)`."""
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
-    return _kernels.encoded_bytes(numel)
+    return _kernels.encoded_bytes(numel, _check_bits(bits))
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A quantized float32 tensor: `data` holds the encoding, `shape` the original shape."""
+    """A quantized float32 tensor: `data` holds the encoding, `shape` the original shape,
+    `bits` the code width (8, 4 or 2)."""
 
-    data: torch.Tensor  # uint8, 1-D, encoded_nbytes(numel) bytes
+    data: torch.Tensor  # uint8, 1-D, encoded_nbytes(numel, bits) bytes
     shape: torch.Size
+    bits: int = 8
 
     @property
     def numel(self) -> int:
@@ -53,15 +71,20 @@ class QuantizedTensor:
         return (self.numel + BLOCK - 1) // BLOCK
 
     @property
+    def levels(self) -> int:
+        """Entries per codebook: 2**bits."""
+        return 1 << self.bits
+
+    @property
     def codebooks(self) -> torch.Tensor:
-        """(num_blocks, 256) float32 view of the codebooks."""
+        """(num_blocks, 2**bits) float32 view of the codebooks."""
         nb = self.num_blocks
-        return self.data[: nb * _CODEBOOK_BYTES].view(torch.float32).view(nb, LEVELS)
+        return self.data[: nb * 4 * self.levels].view(torch.float32).view(nb, self.levels)
 
     @property
     def codes(self) -> torch.Tensor:
-        """(numel,) uint8 view of the codes."""
-        return self.data[self.num_blocks * _CODEBOOK_BYTES :]
+        """uint8 view of the codes: one per element at 8 bits, packed below (module doc)."""
+        return self.data[self.num_blocks * 4 * self.levels :]
 
 
 def set_num_threads(n: int) -> None:
@@ -98,23 +121,27 @@ def _new_tensor(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(_kernels.Buffer(nbytes), dtype=dtype)
 
 
-def quantize(x: torch.Tensor, out: torch.Tensor | None = None) -> QuantizedTensor:
-    """Quantize a contiguous float32 CPU tensor; NaN or Inf is a ValueError."""
+def quantize(x: torch.Tensor, out: torch.Tensor | None = None, *, bits: int = 8) -> QuantizedTensor:
+    """Quantize a contiguous float32 CPU tensor to `bits` (8, 4 or 2) per element; NaN or
+    Inf is a ValueError. `out`: a uint8 buffer of `encoded_nbytes(x.numel(), bits)` to reuse."""
     check_float_tensor(x, "x")
-    nbytes = _kernels.encoded_bytes(x.numel())
+    if isinstance(out, int) and not isinstance(out, bool):
+        raise TypeError(f"out must be a uint8 tensor or None, got {out}; pass bits={out}")
+    bits = _check_bits(bits)
+    nbytes = _kernels.encoded_bytes(x.numel(), bits)
     if out is None:
         out = _new_tensor(nbytes, torch.uint8)
     else:
         _check_encoded(out, nbytes, "out")
-    if _kernels.quantize_many([(x.data_ptr(), x.numel(), out.data_ptr())]) >= 0:
+    if _kernels.quantize_many([(x.data_ptr(), x.numel(), out.data_ptr())], bits) >= 0:
         raise ValueError("x contains NaN or Inf; only finite values can be quantized")
-    return QuantizedTensor(out, x.shape)
+    return QuantizedTensor(out, x.shape, bits)
 
 
 def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode `q` into a new tensor of its shape, or into `out` (same numel)."""
+    """Decode `q` (any width) into a new tensor of its shape, or into `out` (same numel)."""
     out = _decode_target(q, out)
-    _kernels.dequantize_many([(q.data.data_ptr(), q.numel, out.data_ptr())], False)
+    _kernels.dequantize_many([(q.data.data_ptr(), q.numel, out.data_ptr())], False, q.bits)
     return out
 
 
@@ -123,7 +150,7 @@ def dequantize_add_(out: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     if out is None:
         raise TypeError("dequantize_add_ needs an out tensor to accumulate into")
     out = _decode_target(q, out)
-    _kernels.dequantize_many([(q.data.data_ptr(), q.numel, out.data_ptr())], True)
+    _kernels.dequantize_many([(q.data.data_ptr(), q.numel, out.data_ptr())], True, q.bits)
     return out
 
 
@@ -136,7 +163,8 @@ def _decode_target(q: QuantizedTensor, out: torch.Tensor | None) -> torch.Tensor
         raise TypeError(f"q.shape must be a sequence of ints, got {q.shape!r}") from e
     if any(s < 0 for s in shape):
         raise ValueError(f"q.shape must not hold negative sizes, got {tuple(shape)}")
-    _check_encoded(q.data, _kernels.encoded_bytes(q.numel), "q.data")
+    bits = _check_bits(q.bits)
+    _check_encoded(q.data, _kernels.encoded_bytes(q.numel, bits), "q.data")
     if out is None:
         return _new_tensor(4 * q.numel, torch.float32).view(shape)
     check_float_tensor(out, "out")

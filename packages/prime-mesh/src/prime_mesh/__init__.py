@@ -18,7 +18,9 @@ _EXPORTS = {
     "MeshClosed": "prime_mesh.errors",
     "MeshError": "prime_mesh.errors",
     "MeshEvicted": "prime_mesh.errors",
+    "MeshNameTaken": "prime_mesh.errors",
     "MeshRefused": "prime_mesh.errors",
+    "node_host": "prime_mesh.address",
     "query_status": "prime_mesh.status",
 }
 __all__ = [
@@ -31,11 +33,14 @@ __all__ = [
     "MeshClosed",
     "MeshError",
     "MeshEvicted",
+    "MeshNameTaken",
     "MeshRefused",
+    "node_host",
     "query_status",
 ]
 
 if TYPE_CHECKING:
+    from prime_mesh.address import node_host
     from prime_mesh.coordinator import Coordinator
     from prime_mesh.deadline import CollectiveDeadline
     from prime_mesh.errors import (
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
         MeshClosed,
         MeshError,
         MeshEvicted,
+        MeshNameTaken,
         MeshRefused,
     )
     from prime_mesh.mesh import ElasticDeviceMesh

@@ -80,10 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prime-mesh", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("coordinator", help="run the membership coordinator")
-    c.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    c.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address the coordinator and its store listen on (default 0.0.0.0: all)",
+    )
     c.add_argument("--port", type=int, default=29500, help="TCP port (0 picks a free one)")
     c.add_argument(
-        "--store-port", type=int, default=0, help="port of the gloo rendezvous store (0: free)"
+        "--store-port",
+        type=int,
+        default=0,
+        help="TCP port of the rendezvous store the nodes' gloo groups meet through; every "
+        "node connects to it (default 0: a free one, printed at start; set it to open it)",
     )
     c.add_argument("--advertise-host", default=None, help="address nodes use to reach the store")
     c.add_argument("--min-nodes", type=int, default=1, help="nodes needed to form the first epoch")

@@ -14,7 +14,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from prime_mesh.errors import CoordinatorLost, MeshAuthError, MeshError, MeshEvicted, MeshRefused
+from prime_mesh.errors import (
+    CoordinatorLost,
+    MeshAuthError,
+    MeshError,
+    MeshEvicted,
+    MeshNameTaken,
+    MeshRefused,
+)
 from prime_mesh.progress import MAX_PENDING
 from prime_mesh.wire import client_handshake, parse_address
 
@@ -125,7 +132,9 @@ class CoordinatorClient:
         assert reply is not None
         if "error" in reply:
             kind = reply.get("kind")
-            cls = {"refused": MeshRefused, "rejoin": MeshEvicted}.get(kind, MeshError)
+            cls = {"refused": MeshRefused, "rejoin": MeshEvicted, "name_taken": MeshNameTaken}.get(
+                kind, MeshError
+            )
             raise cls(f"coordinator at {self.address} refused: {reply['error']}")
         return reply
 

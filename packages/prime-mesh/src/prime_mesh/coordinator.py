@@ -2,7 +2,8 @@
 
 It authenticates every connection (see `wire`), feeds messages into `Membership` under one
 lock, and hosts the TCPStore that the inter-node gloo groups rendezvous through (each epoch
-under a fresh random prefix). Heartbeats arrive over each local rank's persistent
+under a fresh random prefix). Both listen on the coordinator's host only: its port, and the
+store's (`store_port`, 0: a free one). Heartbeats arrive over each local rank's persistent
 connection, so a SIGKILLed node is evicted as soon as its socket closes.
 """
 
@@ -10,13 +11,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import queue
 import socket
 import threading
 from typing import Any
 
 from prime_mesh.errors import MeshAuthError
-from prime_mesh.membership import Membership, Node, Refused
+from prime_mesh.membership import Membership, Refused
+from prime_mesh.node import Node
 from prime_mesh.wire import Channel, resolve_token, server_handshake
 
 log = logging.getLogger("prime_mesh.coordinator")
@@ -51,6 +54,21 @@ class _Conn:
             except OSError:
                 break
         self.channel.close()
+
+
+def _listen(host: str, port: int, option: str) -> socket.socket:
+    """A TCP socket listening on host:port, or OSError naming the option to change."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another {option}"
+        ) from None
+    sock.listen(128)
+    return sock
 
 
 class Coordinator:
@@ -101,27 +119,32 @@ class Coordinator:
         return self._store.port
 
     def start(self) -> Coordinator:
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock = _listen(self.host, self._port, "--port")
         try:
-            sock.bind((self.host, self._port))
-        except OSError as e:
-            sock.close()
-            raise OSError(
-                f"cannot listen on {self.host}:{self._port} ({e.strerror}); pick another --port"
-            ) from None
-        sock.listen(128)
-        self._sock = sock
+            store_sock = _listen(self.host, self._store_port, "--store-port")
+        except BaseException:
+            self.close()
+            raise
         import torch.distributed as dist  # here, so a busy port or a bad token fails before torch loads
 
-        self._store = dist.TCPStore(
-            self.host,
-            self._store_port,
-            None,
-            True,
-            timeout=datetime.timedelta(seconds=60),
-            wait_for_workers=False,
-        )
+        # TCPStore alone listens on every interface whatever host it is given: hand it a
+        # socket bound to the coordinator's host (it owns the fd from then on, and closes it).
+        fd = os.dup(store_sock.fileno())
+        port = store_sock.getsockname()[1]
+        store_sock.close()
+        try:
+            self._store = dist.TCPStore(
+                self.host,
+                port,
+                None,
+                True,
+                timeout=datetime.timedelta(seconds=60),
+                wait_for_workers=False,
+                master_listen_fd=fd,
+            )
+        except BaseException:
+            self.close()
+            raise
         for target, name in (
             (self._accept_loop, "mesh-accept"),
             (self._monitor_loop, "mesh-monitor"),

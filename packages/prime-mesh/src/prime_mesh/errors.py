@@ -13,6 +13,10 @@ class MeshRefused(MeshError):
     """The coordinator refused this node (e.g. its local_world_size or config hash differs)."""
 
 
+class MeshNameTaken(MeshRefused):
+    """Another live node of the run already goes by this node's name."""
+
+
 class MeshEvicted(MeshError):
     """This node was evicted from the run (stalled, cut off, or timed out); rejoin as a new member."""
 

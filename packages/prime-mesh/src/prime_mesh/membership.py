@@ -25,43 +25,14 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from prime_mesh.address import check_name
+from prime_mesh.node import Conn, Node, name_held
 from prime_mesh.progress import History, public_metadata
-from prime_mesh.reform import Refused, Rejoin, Resume, plan_reform, resume_of
+from prime_mesh.reform import NameTaken, Refused, Rejoin, Resume, plan_reform, resume_of
 
 log = logging.getLogger("prime_mesh.coordinator")
-
-
-class Conn(Protocol):
-    peer: str
-
-    def send(self, msg: dict) -> None: ...
-    def close_after_flush(self) -> None: ...
-
-
-@dataclass
-class Node:
-    key: str
-    node_id: str
-    local_world_size: int
-    metadata: dict
-    heartbeat_timeout: float
-    conns: dict[int, Conn] = field(default_factory=dict)
-    last_seen: dict[int, float] = field(default_factory=dict)
-    member: bool = False
-    address: str = ""  # as the coordinator sees local rank 0's connection
-    ready_ranks: set[int] = field(default_factory=set)
-    resume: Resume | None = None  # reconnected after a coordinator restart (see reform)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.conns) == self.local_world_size
-
-    @property
-    def ready(self) -> bool:
-        return len(self.ready_ranks) == self.local_world_size
 
 
 class Membership:
@@ -99,6 +70,17 @@ class Membership:
             if msg.get("resume") is not None:  # cut off or stalled while this coordinator ran
                 raise Rejoin("this node was evicted; rejoin through live recovery")
             raise Refused("this node was evicted; create a new ElasticDeviceMesh to rejoin")
+        name = msg.get("name")
+        if name is not None:  # first: a name taken is the clearest reason to refuse
+            try:
+                check_name(name)
+            except ValueError as e:
+                raise Refused(str(e)) from None
+            holder = next(
+                (n for k, n in self.nodes.items() if k != key and n.node_id == name), None
+            )
+            if holder is not None and msg.get("resume") is None:
+                raise NameTaken(name_held(holder, self.state_of(holder), self.clock()))
         run = self._run_node(exclude=key)
         if run is not None and run.local_world_size != lws:
             raise Refused(
@@ -114,14 +96,19 @@ class Membership:
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
         hb = float(min(max(hb, 0.1), 3600.0))
-        others = {n.node_id for k, n in self.nodes.items() if k != key}
-        resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=others)
+        others = {n.node_id: n for k, n in self.nodes.items() if k != key}
+        resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=set(others))
         if resume is not None:
             self._seq = max(self._seq, resume.highest_number)
         node = self.nodes.get(key)
         if node is None:
-            self._seq += resume is None  # a reconnected node keeps its id
-            node = Node(key, resume.node_id if resume else f"node-{self._seq}", lws, metadata, hb)
+            if resume is not None:  # a reconnected node keeps its id
+                node_id = resume.node_id
+            elif name is not None:
+                node_id = name
+            else:
+                node_id = self._fresh_id(set(others))
+            node = Node(key, node_id, lws, metadata, hb)
             node.resume = resume
             self.nodes[key] = node
         elif node.local_world_size != lws or lr in node.conns:
@@ -140,6 +127,13 @@ class Membership:
             log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
         self._maybe_queue(node)
         return node
+
+    def _fresh_id(self, taken: set[str]) -> str:
+        """The next "node-N" for a node registered without a name (never a live node's)."""
+        while True:
+            self._seq += 1
+            if f"node-{self._seq}" not in taken:
+                return f"node-{self._seq}"
 
     def ready(self, node: Node, lr: int) -> None:
         """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""

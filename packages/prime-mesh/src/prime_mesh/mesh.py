@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgpack
-
+from prime_mesh.address import check_name, node_host
 from prime_mesh.deadline import CollectiveDeadline
 from prime_mesh.epoch import Epoch, retire
 from prime_mesh.errors import CoordinatorGone, CoordinatorLost, MeshError
@@ -14,7 +13,7 @@ from prime_mesh.install import admit, install
 from prime_mesh.local import local_env, make_local_mesh, shared_node_key
 from prime_mesh.progress import validate_progress
 from prime_mesh.reconnect import recover
-from prime_mesh.session import Session
+from prime_mesh.session import Session, checked_metadata
 from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh")
@@ -39,6 +38,13 @@ class ElasticDeviceMesh:
     same address for up to `coordinator_grace_s` seconds and the restarted coordinator
     re-forms the run (see `prime_mesh.reconnect`); past the grace it raises CoordinatorGone.
     Tell the mesh each committed outer step with `note_outer_step` so it can say where it is.
+
+    `name` is the node's id in the run (logs, `members()`, the status page; else "node-N"):
+    unique among its live nodes. Registering under a name a live node holds raises
+    MeshNameTaken, after waiting one heartbeat timeout for the coordinator to evict a holder
+    that died (a node restarted under its own name takes it back). `host` is the address this
+    node's gloo groups bind and advertise; without it, the address of the interface that
+    reaches the coordinator (see `prime_mesh.address`).
     """
 
     def __init__(
@@ -56,14 +62,18 @@ class ElasticDeviceMesh:
         wait: bool = True,
         wait_until_ready: bool = False,
         join_timeout: float | None = None,
+        name: str | None = None,
         connect_timeout: float = 10.0,
         pg_timeout: float = 600.0,
         coordinator_grace_s: float = 120.0,
     ) -> None:
         key = resolve_token(token)
+        if name is not None:
+            check_name(name)
+        host = node_host(coordinator, host)
         if coordinator_grace_s < 0:
             raise ValueError(f"coordinator_grace_s must be >= 0, got {coordinator_grace_s}")
-        self.metadata = _checked(metadata, heartbeat_interval, heartbeat_timeout)
+        self.metadata = checked_metadata(metadata, heartbeat_interval, heartbeat_timeout)
         self.local_rank, self.local_world_size = local_env(local_rank, local_world_size)
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -86,6 +96,8 @@ class ElasticDeviceMesh:
             "metadata": self.metadata,
             "heartbeat_timeout": heartbeat_timeout,
         }
+        if name is not None:
+            register["name"] = name
         self._session = Session(
             coordinator,
             key,
@@ -114,7 +126,7 @@ class ElasticDeviceMesh:
 
     @property
     def node_id(self) -> str:
-        """This node's id in the run ("node-N"), the same on every local rank."""
+        """This node's id in the run (its `name`, else "node-N"), the same on every local rank."""
         return self._session.node_id
 
     @property
@@ -381,19 +393,3 @@ class ElasticDeviceMesh:
             retire(self._pg)
         self._pg, self._epoch = pg, epoch
         self._vote_seq, self._suspect = 0, False
-
-
-def _checked(metadata: dict | None, heartbeat_interval: float, heartbeat_timeout: float) -> dict:
-    """A copy of `metadata`, once the arguments are known to be valid (else ValueError)."""
-    if not 0 < heartbeat_interval < heartbeat_timeout:
-        raise ValueError(
-            f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
-        )
-    metadata = dict(metadata or {})
-    try:
-        msgpack.packb(metadata)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"metadata must hold plain values (str, numbers, lists, dicts): {e}"
-        ) from None
-    return metadata

@@ -30,6 +30,12 @@ class Rejoin(Refused):
     kind = "rejoin"
 
 
+class NameTaken(Refused):
+    """A live node of the run already goes by the name this node registered with."""
+
+    kind = "name_taken"
+
+
 class ResumeError(ValueError):
     """A malformed resume record (the registration is refused with this message)."""
 

@@ -10,11 +10,14 @@ at a members' sync point. The group this local rank holds is the mesh's own.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
+
+import msgpack
 
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.epoch import Epoch, connect_store
-from prime_mesh.errors import MeshClosed
+from prime_mesh.errors import MeshClosed, MeshNameTaken
 
 log = logging.getLogger("prime_mesh")
 
@@ -47,7 +50,7 @@ class Session:
         self.closed = False
         self.client: CoordinatorClient
         self.store: Any = None  # torch.distributed.TCPStore of the coordinator
-        reply = self.open(first)
+        reply = self._open_first(first)
         try:
             self.host = host or self.client.local_host
             self.node_id: str = reply["node_id"]
@@ -56,6 +59,25 @@ class Session:
         except BaseException:
             self.client.close()
             raise
+
+    def _open_first(self, first: dict) -> dict:
+        """`open(first)`; while the node's name is held by another registration, retry for
+        one heartbeat timeout: a node restarted under its name takes it back once the
+        coordinator has evicted the dead one, while a live holder keeps it (MeshNameTaken)."""
+        deadline = time.monotonic() + self.heartbeat_timeout + 2 * self.heartbeat_interval
+        told = False
+        while True:
+            try:
+                return self.open(first)
+            except MeshNameTaken as e:
+                if time.monotonic() >= deadline:
+                    raise MeshNameTaken(
+                        f"{e} (still held after {self.heartbeat_timeout:g} s)"
+                    ) from None
+                if not told:
+                    log.info("%s; retrying for %g s in case it died", e, self.heartbeat_timeout)
+                    told = True
+                time.sleep(self.heartbeat_interval)
 
     def open(self, extra: dict) -> dict:
         """Connect to the coordinator, register (`register` and `extra`), start heartbeats and
@@ -118,3 +140,22 @@ class Session:
         self.closed = True
         self.client.leave()
         self.client.close()
+
+
+def checked_metadata(
+    metadata: dict | None, heartbeat_interval: float, heartbeat_timeout: float
+) -> dict:
+    """A copy of a registration's `metadata`, once the arguments are known to be valid (else
+    ValueError)."""
+    if not 0 < heartbeat_interval < heartbeat_timeout:
+        raise ValueError(
+            f"need 0 < heartbeat_interval ({heartbeat_interval}) < heartbeat_timeout ({heartbeat_timeout})"
+        )
+    metadata = dict(metadata or {})
+    try:
+        msgpack.packb(metadata)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"metadata must hold plain values (str, numbers, lists, dicts): {e}"
+        ) from None
+    return metadata

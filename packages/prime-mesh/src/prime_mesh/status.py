@@ -25,10 +25,11 @@ def format_status(status: dict, address: str) -> str:
         f"{count['joining']} joining, {count['waiting']} waiting, "
         f"{len(nodes) - sum(count.values())} registering (min_nodes {status['min_nodes']})"
     ]
+    width = max([10, *(len(n["node_id"]) for n in nodes)])
     for n in nodes:
         age = n["last_heartbeat_age"]
         lines.append(
-            f"  {n['node_id']:<10} {n['state']:<11} rank {'-' if n['rank'] is None else n['rank']:<3} "
+            f"  {n['node_id']:<{width}} {n['state']:<11} rank {'-' if n['rank'] is None else n['rank']:<3} "
             f"local_world_size {n['local_world_size']}  heartbeat {'-' if age is None else f'{age:.1f}s'} ago  "
             f"metadata {n['metadata']}"
         )

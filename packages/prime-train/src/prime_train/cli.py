@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # before any node starts or joins a mesh
         pick_device(cfg.train.device)
+        if cfg.mesh.coordinator and cfg.mesh.host:
+            from prime_train.diloco.membership import node_address
+
+            node_address(cfg)  # a loopback --mesh.host for a coordinator elsewhere
     except ConfigError as e:
         return _fail(f"config error: {e}")
 

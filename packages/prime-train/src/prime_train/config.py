@@ -98,6 +98,13 @@ class TrainConfig(Section):
     compile: bool = Field(False, description="torch.compile each transformer block")
     cpu_offload: bool = Field(False, description="FSDP2 CPU offload of parameters and grads")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's)")
+    stop_within_s: float = Field(
+        25.0,
+        ge=0.0,
+        description="a stop signal mid-round (a multi-node run): stop at the round's end if "
+        "that comes within this many seconds, else leave the mesh at once and save the last "
+        "committed outer step",
+    )
 
 
 class OptimConfig(Section):
@@ -151,11 +158,23 @@ class LaunchConfig(Section):
 
 class MeshConfig(Section):
     coordinator: str | None = Field(None, description="HOST:PORT of the mesh coordinator")
-    host: str | None = Field(None, description="address peers use to reach this node")
+    host: str | None = Field(
+        None,
+        description="address peers use to reach this node (default: the address of the "
+        "interface that reaches the coordinator)",
+    )
+    serve_port: int = Field(
+        0,
+        ge=0,
+        lt=65536,
+        description="TCP port of the server sharing this node's checkpoints with joining "
+        "peers (0: a free one; the local launcher's node K uses serve_port + K)",
+    )
     node_name: str | None = Field(
         None,
-        description="this node's name, the same across restarts (default: the host name, "
-        "plus '-K' for the local launcher's node K); names its remote checkpoint prefix",
+        description="this node's name in the run, unique, the same across restarts (default: "
+        "the host name plus '-K' for the local launcher's node K, else plus a short hash of "
+        "the checkpoint folder); names its remote checkpoint prefix",
     )
     heartbeat_interval_s: float = Field(1.0, gt=0.0, description="seconds between heartbeats")
     heartbeat_timeout_s: float = Field(10.0, gt=0.0, description="silence before eviction")
@@ -200,8 +219,10 @@ class DilocoConfig(Section):
     inner_steps: int = Field(50, ge=1, description="H: inner steps between outer steps")
     outer_lr: float = Field(0.7, gt=0.0, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer Nesterov momentum")
-    compression: Literal["uint8", "none"] = Field(
-        "uint8", description="pseudo-gradient all-reduce: 'uint8' or 'none' (float32)"
+    compression: Literal["uint8", "uint4", "uint2", "none"] = Field(
+        "uint8",
+        description="pseudo-gradient all-reduce: 'uint8', 'uint4' or 'uint2' (8, 4 or 2 bits "
+        "per element, blockwise codebooks) or 'none' (float32)",
     )
     overlap: Literal["none", "delayed"] = Field(
         "none",
@@ -268,7 +289,7 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "run": ("log_every", "runs_dir", "trackers"),  # trackers: where a run is watched from
     "data": ("cache_dir", "workers"),  # workers: how fast tokens are made, not which
     "launch": ("status_port",),
-    "train": ("threads", "device"),
+    "train": ("threads", "device", "stop_within_s"),
     "ckpt": ("dir", "shm_dir", "remote", "keep"),
     "diloco": ("max_rejoins", "rejoin_wait_s"),  # a node's own patience, not the math
 }

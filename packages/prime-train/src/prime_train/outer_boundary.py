@@ -11,9 +11,17 @@ membership is lost there.
 
 Checkpoints taken at a boundary go through `checkpoint`, which handles a coordinator found gone
 there (an overlapped outer step's round ends in its checkpoint) the same way.
+
+A stop signal (SIGTERM, SIGINT) mid-round ends a mesh node at the round's end when that comes
+within `train.stop_within_s` (every node told to stop together stops at the same boundary).
+Otherwise, and when the outer step is synchronous, the node leaves now (`leave_now`): it
+leaves the mesh at once, so the others go on without waiting for a heartbeat timeout, and
+checkpoints the committed state, the last boundary exactly; the same command rejoins later.
 """
 
 from __future__ import annotations
+
+import torch.distributed as dist
 
 from prime_mesh import CoordinatorGone
 from prime_train.diloco.committed import CommittedState
@@ -36,6 +44,14 @@ class OuterBoundary:
         )
         self.committed = CommittedState.take(run, start)
         self.rejoins = 0
+        self.step_seconds = 0.0  # a running mean of the inner step's time
+
+    def add_compute_time(self, seconds: float) -> None:
+        """One inner step's time: for the outer step, and to know how far a round's end is."""
+        self.outer.add_compute_time(seconds)
+        self.step_seconds = (
+            seconds if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * seconds
+        )
 
     def due(self, step: int) -> bool:
         """Whether inner step `step` ends a round (the last step always does)."""
@@ -65,6 +81,27 @@ class OuterBoundary:
             self.run.checkpoint(step, self.outer)
         except CoordinatorGone as e:
             self._coordinator_gone(e)
+
+    def should_leave_now(self, step: int) -> bool:
+        """Told to stop after inner step `step`, mid-round: whether the node leaves now rather
+        than at the round's end (see module doc). The node's ranks decide alike."""
+        run, elastic = self.run, self.elastic
+        if elastic is None or run.placement.membership is None or self.outer.overlapped:
+            return False
+        end = min(elastic.round_end(step), run.cfg.train.steps)
+        decision = [(end - step) * self.step_seconds > run.cfg.train.stop_within_s]
+        if run.placement.world_size > 1:
+            dist.broadcast_object_list(decision, group_src=0, group=run.placement.group)
+        return bool(decision[0])
+
+    def leave_now(self) -> int:
+        """Leave the mesh at once, then checkpoint the committed state (the last boundary);
+        returns its step."""
+        membership = self.run.placement.membership
+        assert membership is not None and self.elastic is not None
+        membership.close()
+        self.committed.checkpoint(self.run, self.elastic)
+        return self.committed.step
 
     def joiners_waiting(self) -> bool:
         """Whether a node waits to join (it needs a checkpoint of the round that starts now)."""

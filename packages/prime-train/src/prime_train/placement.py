@@ -8,6 +8,7 @@ prefix) reads the identity from here; it is computed once.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -118,6 +119,18 @@ def init_process_group(device: torch.device) -> bool:
     return True
 
 
+def default_node_name(ckpt_dir: Path, local: int | None) -> str:
+    """A node's name when `mesh.node_name` is not given: the host name, plus '-K' for the
+    local launcher's node K, else plus a short hash of the node's checkpoint folder, so that
+    nodes started by hand on one machine (each with its own folder) never share a name, and
+    a node restarted on its folder keeps its own."""
+    host = socket.gethostname() or "node"
+    if local is not None:
+        return f"{host}-{local}"
+    digest = hashlib.sha256(str(ckpt_dir.resolve()).encode()).hexdigest()[:6]
+    return f"{host}-{digest}"
+
+
 def init_placement(cfg: Config) -> Placement:
     """The intra-node group and device mesh, then (multi-node) the mesh membership."""
     device = pick_device(cfg.train.device)
@@ -127,11 +140,9 @@ def init_placement(cfg: Config) -> Placement:
             device.type, (dist.get_world_size(),), mesh_dim_names=("fsdp",)
         )
         local = launcher_index()
-        name = cfg.mesh.node_name or socket.gethostname() + (
-            f"-{local}" if local is not None else ""
-        )
+        ckpt_dir = checkpoint_dir(cfg, local)
+        name = cfg.mesh.node_name or default_node_name(ckpt_dir, local)
         node = NodeIdentity(index=local or 0, launcher_index=local, name=name)
-        ckpt_dir = checkpoint_dir(cfg, node.launcher_index)
         membership = None
         if uses_mesh(cfg):
             early = Log(f"[node {local if local is not None else '?'}]", primary=True)
@@ -141,6 +152,8 @@ def init_placement(cfg: Config) -> Placement:
                 device_mesh.get_group() if dist.get_world_size() > 1 else None,
                 primary=device_mesh.get_local_rank() == 0,
                 warn=early.warn,
+                name=name,
+                launcher_index=local,
             )
             mesh = membership.mesh
             if membership.joining:  # not admitted yet: its rank comes later

@@ -184,12 +184,18 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
             # with an outer step, checkpoints and stops wait for a boundary (synced weights)
             at_boundary = boundary is None or boundary.due(step)
             if boundary is not None:
-                boundary.outer.add_compute_time(time.perf_counter() - t)
+                boundary.add_compute_time(time.perf_counter() - t)
                 if at_boundary:
                     step = boundary.sync(step)
             if step % cfg.run.log_every == 0 or step == total:
                 meter.report(step)
-            stopping = stop.agreed(run.placement) and at_boundary
+            stop_asked = stop.agreed(run.placement)
+            if stop_asked and boundary and not at_boundary and boundary.should_leave_now(step):
+                step = boundary.leave_now()  # mid-round, the round's end too far away
+                log.info(f"{stop.signal} received: left the mesh and checkpointed step {step} "
+                         "(the last outer step); rerun the same command to rejoin")  # fmt: skip
+                break
+            stopping = stop_asked and at_boundary
             checkpoint_due = at_boundary and (
                 run.ckpt.due(step) or (boundary is not None and boundary.joiners_waiting())
             )  # a node waiting to join fetches the state of the round that starts now

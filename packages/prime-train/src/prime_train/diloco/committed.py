@@ -3,11 +3,13 @@
 Only a committed outer step changes the outer weights and momentum, and every member holds
 the same ones (with `overlap = "delayed"`, the round in flight is dropped as a failed one is).
 This record names that step (`outer_step`, the outer weights' hash) and keeps the loop's
-position there (inner step, data order, progress, RNG), taken at each outer boundary. It is
-what a joiner must reach exactly, what a node checkpoints when its coordinator does not come
-back (dropping the inner steps since: the replicas are not in sync), and the one place to add
-what later becomes part of the shared state (data positions, a token clock, ...).
-Everything else a node holds (its inner optimizer's moments) is its own.
+position there (inner step, data order, progress, RNG, and a host copy of the inner
+optimizer's moments, which are the node's own), taken at each outer boundary. It is what a
+joiner must reach exactly, what a node checkpoints when its coordinator does not come back or
+when it is told to stop mid-round (dropping the inner steps since: the replicas are not in
+sync; a run resumed from it continues exactly as if it had stopped at that boundary), and the
+one place to add what later becomes part of the shared state (data positions, a token
+clock, ...).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from prime_train.checkpointing import restore_optimizer, snapshot_optimizer
 from prime_train.seam import ElasticOuterStep, OuterStepReport
 
 if TYPE_CHECKING:
@@ -33,6 +36,7 @@ class CommittedState:
     data: dict[str, Any]
     progress: dict[str, Any]
     rng: torch.Tensor
+    optimizer: dict[str, dict[str, Any]]  # the inner optimizer's state, in host memory
 
     @classmethod
     def take(cls, run: Run, step: int, report: OuterStepReport | None = None) -> CommittedState:
@@ -45,15 +49,17 @@ class CommittedState:
             data=dict(run.loader.state_dict()),
             progress=dict(run.progress),
             rng=torch.get_rng_state(),
+            optimizer=snapshot_optimizer(run.model, run.opt),
         )
 
     def checkpoint(self, run: Run, outer: ElasticOuterStep) -> None:
-        """Put the model back to the outer weights of this step and checkpoint it, durably
-        (a no-op when this node already holds a checkpoint of it). The inner optimizer's
-        moments are kept as they are: the one part not rolled back."""
+        """Put the model back to the outer weights of this step, and the inner optimizer and
+        the loop's position to theirs there, and checkpoint it, durably (a no-op when this
+        node already holds a checkpoint of it)."""
         if self.step in run.ckpt.committed_steps():
             return
         outer.rollback_to_outer()
+        restore_optimizer(run.model, run.opt, self.optimizer)
         run.loader.load_state_dict(self.data)
         run.progress.clear()
         run.progress.update(self.progress)

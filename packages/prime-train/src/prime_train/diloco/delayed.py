@@ -36,7 +36,6 @@ import torch
 
 import prime_comm
 from prime_train import faults
-from prime_train.diloco.average import average_pseudo_gradient
 from prime_train.diloco.outer_step import Diloco, JoinedLate
 from prime_train.seam import OuterStepReport
 
@@ -112,16 +111,7 @@ class DelayedDiloco(Diloco):
         try:
             regrouped = mesh.maybe_reinit_global_pg()
             faults.hold_outer_round(rnd["step"], self.log)
-            got = average_pseudo_gradient(
-                mesh,
-                self.optimizer.pseudo_gradient,
-                self.cfg.compression,
-                self.rounds.outer_steps,
-                contributing=contributing,
-                regrouped=regrouped,
-            )
-            if got.mismatch and contributing:
-                self._warn("a node entered with another outer step count; it leaves")
+            got = self.average(regrouped, contributing)
             committed = mesh.should_commit(got.error is None)
             rnd.update(
                 state="committed" if committed else "dropped",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from prime_train.config import Config
+from prime_train.errors import ConfigError
 
 if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
@@ -44,22 +45,34 @@ class Membership:
 
     @classmethod
     def join(
-        cls, cfg: Config, ckpt_dir: Path, serve: bool, warn, live_members: int | None = None
+        cls,
+        cfg: Config,
+        ckpt_dir: Path,
+        serve: bool,
+        warn,
+        live_members: int | None = None,
+        *,
+        name: str,
+        launcher_index: int | None = None,
     ) -> Membership:
-        """Serve `ckpt_dir` to joining peers (if `serve`: local rank 0), then join the mesh,
-        advertising the config hash and the server's URL. With live members (counted here
-        unless `live_members` is given, e.g. by the node's local rank 0), the node registers
-        waiting (`wait_until_ready=True`): nobody waits for it while it fetches their state."""
+        """Serve `ckpt_dir` to joining peers (if `serve`: local rank 0), then join the mesh
+        under `name`, advertising the config hash and the server's URL. Both bind the same
+        address (`node_address`). With live members (counted here unless `live_members` is
+        given, e.g. by the node's local rank 0), the node registers waiting
+        (`wait_until_ready=True`): nobody waits for it while it fetches their state."""
         from prime_mesh import ElasticDeviceMesh
 
         token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
+        host = node_address(cfg)
         if live_members is None:
             live_members = count_live_members(cfg.mesh.coordinator, token)
-        server = _serve_checkpoints(cfg, ckpt_dir, token, warn) if serve else None
+        port = serve_port(cfg, launcher_index)
+        server = _serve_checkpoints(ckpt_dir, host, port, token, warn) if serve else None
         try:
             mesh = ElasticDeviceMesh(
                 cfg.mesh.coordinator,
-                host=cfg.mesh.host,
+                host=host,
+                name=name,
                 metadata={
                     "config_hash": cfg.fingerprint_hash(),
                     "serve_url": server.url if server else None,
@@ -85,16 +98,24 @@ class Membership:
         ]
 
     def close(self) -> None:
-        """Leave the mesh gracefully and stop serving checkpoints."""
+        """Leave the mesh gracefully and stop serving checkpoints (again: a no-op)."""
         self.mesh.close()
         if self.server is not None:
             self.server.close()
+            self.server = None
 
 
 def register(
-    cfg: Config, ckpt_dir: Path, group: dist.ProcessGroup | None, primary: bool, warn
+    cfg: Config,
+    ckpt_dir: Path,
+    group: dist.ProcessGroup | None,
+    primary: bool,
+    warn,
+    *,
+    name: str,
+    launcher_index: int | None,
 ) -> Membership:
-    """Register with the run's mesh, waiting if it has live members. The node's
+    """Register with the run's mesh under `name`, waiting if it has live members. The node's
     local rank 0 counts them (and serves checkpoints); its other ranks (`group`) agree."""
     live = [None]
     if group is not None:
@@ -102,7 +123,15 @@ def register(
             token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
             live = [count_live_members(cfg.mesh.coordinator, token)]
         dist.broadcast_object_list(live, group_src=0, group=group)
-    return Membership.join(cfg, ckpt_dir, serve=primary, warn=warn, live_members=live[0])
+    return Membership.join(
+        cfg,
+        ckpt_dir,
+        serve=primary,
+        warn=warn,
+        live_members=live[0],
+        name=name,
+        launcher_index=launcher_index,
+    )
 
 
 def count_live_members(coordinator: str, token: str | None) -> int:
@@ -117,12 +146,37 @@ def count_live_members(coordinator: str, token: str | None) -> int:
     return sum(1 for n in nodes if n.get("state") == "member")
 
 
-def _serve_checkpoints(cfg: Config, ckpt_dir: Path, token: str | None, warn):
+def node_address(cfg: Config) -> str:
+    """The address this node's peers reach it at, for its gloo groups and its checkpoint
+    server alike: `mesh.host`, else the address of the interface that reaches the coordinator
+    (never 127.0.0.1 for a coordinator on another machine)."""
+    from prime_mesh import node_host
+
+    assert cfg.mesh.coordinator is not None
+    try:
+        return node_host(cfg.mesh.coordinator, cfg.mesh.host)
+    except ValueError as e:
+        raise ConfigError(f"--mesh.host: {e}") from None
+
+
+def serve_port(cfg: Config, launcher_index: int | None) -> int:
+    """The checkpoint server's port: `mesh.serve_port` (+ K for the launcher's node K), 0: free."""
+    if cfg.mesh.serve_port == 0:
+        return 0
+    port = cfg.mesh.serve_port + (launcher_index or 0)
+    if port > 65535:
+        raise ConfigError(
+            f"--mesh.serve_port {cfg.mesh.serve_port} + node {launcher_index} > 65535"
+        )
+    return port
+
+
+def _serve_checkpoints(ckpt_dir: Path, host: str, port: int, token: str | None, warn):
     from prime_ckpt import serve_directory
 
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        return serve_directory(ckpt_dir, host=cfg.mesh.host or "127.0.0.1", token=token)
+        return serve_directory(ckpt_dir, host=host, port=port, token=token)
     except (OSError, ValueError) as e:  # training goes on; joiners use another peer
         warn(f"cannot serve checkpoints to joining peers: {e}")
         return None

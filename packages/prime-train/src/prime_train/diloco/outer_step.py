@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from prime_train.config import DilocoConfig
-from prime_train.diloco.average import average_pseudo_gradient
+from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.resume_agreement import agree_resume_step
 from prime_train.diloco.round_log import RoundLog
@@ -128,17 +128,7 @@ class Diloco:
             for attempt in range(1, self.max_retries + 2):
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
                     self.optimizer.compute_pseudo_gradient()
-                regrouped = self.mesh.maybe_reinit_global_pg()
-                got = average_pseudo_gradient(
-                    self.mesh,
-                    self.optimizer.pseudo_gradient,
-                    self.cfg.compression,
-                    self.rounds.outer_steps,
-                    contributing=contributing,
-                    regrouped=regrouped,
-                )
-                if got.mismatch and contributing:
-                    self._warn("a node entered with another outer step count; it leaves")
+                got = self.average(self.mesh.maybe_reinit_global_pg(), contributing)
                 if self.mesh.should_commit(got.error is None):
                     if got.late is not None:  # the members commit; this node leaves
                         raise JoinedLate(got.late)
@@ -158,6 +148,22 @@ class Diloco:
             f"outer step failed {len(errors)} times ({'; '.join(errors)}); "
             "outer weights are unchanged"
         )
+
+    def average(self, regrouped: bool, contributing: bool) -> Averaged:
+        """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
+        point (`regrouped`: the group changed there); `contributing` is False for a joiner's
+        first round."""
+        got = average_pseudo_gradient(
+            self.mesh,
+            self.optimizer.pseudo_gradient,
+            self.cfg.compression,
+            self.rounds.outer_steps,
+            contributing=contributing,
+            regrouped=regrouped,
+        )
+        if got.mismatch and contributing:
+            self._warn("a node entered with another outer step count; it leaves")
+        return got
 
     # -- checkpoints and resuming -----------------------------------------------------------
 

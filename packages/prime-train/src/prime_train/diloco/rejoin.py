@@ -81,7 +81,13 @@ def _register_again(run: Run, error: BaseException) -> Membership:
         if live > 0:
             try:
                 return Membership.join(
-                    cfg, run.ckpt_dir, serve=run.primary, warn=run.log.warn, live_members=live
+                    cfg,
+                    run.ckpt_dir,
+                    serve=run.primary,
+                    warn=run.log.warn,
+                    live_members=live,
+                    name=run.placement.node.name,
+                    launcher_index=run.placement.node.launcher_index,
                 )
             except (MeshError, OSError) as e:  # the link flapped again: keep trying
                 last = f"{type(e).__name__}: {e}"

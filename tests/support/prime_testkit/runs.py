@@ -1,0 +1,70 @@
+"""What a prime-train run leaves behind, read back by a test: metrics rows, outer steps, logs.
+
+Where a node's rows are: node k of nodes that share a runs folder writes `metrics.jsonl`
+(k = 0) or `metrics-node{k}.jsonl` in the run folder (`node_metrics(run_dir, k)`); a node in its
+own working folder (prime_testkit.cli_node) writes `folder/runs/debug/metrics.jsonl`
+(`folder_metrics(folder)`). The other helpers take those rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+# the values two runs that must match are compared by (see `trace`)
+TRACED = ("loss", "eval_loss", "outer_sha256")
+
+
+def node_metrics(run_dir: Path, node: int = 0) -> list[dict[str, Any]]:
+    """The rows node `node` wrote into the run folder `run_dir`."""
+    from prime_train.metrics import read_metrics
+
+    return read_metrics(run_dir / ("metrics.jsonl" if node == 0 else f"metrics-node{node}.jsonl"))
+
+
+def folder_metrics(folder: Path) -> list[dict[str, Any]]:
+    """The rows of the node working in `folder` (its debug run under `folder/runs`)."""
+    return node_metrics(folder / "runs" / "debug")
+
+
+def outer_rows(rows: Iterable[dict]) -> list[dict]:
+    """The rows of outer steps, in the order written."""
+    return [r for r in rows if "outer_step" in r]
+
+
+def outer_by_step(rows: Iterable[dict]) -> dict[int, dict]:
+    """The rows of outer steps by outer step (the last row of a step written twice)."""
+    return {r["outer_step"]: r for r in outer_rows(rows)}
+
+
+def outer_hashes(rows: Iterable[dict]) -> dict[int, str]:
+    """The outer weights' hash of each outer step."""
+    return {k: r["outer_sha256"] for k, r in outer_by_step(rows).items()}
+
+
+def trace(
+    rows: Iterable[dict],
+    keep: Sequence[str] = TRACED,
+    *,
+    with_outer_step: bool = False,
+    after_step: int | None = None,
+) -> dict[tuple, Any]:
+    """{(step, name): value} of every `keep` field of every row ((step, outer step or None,
+    name) `with_outer_step`; only the rows past `after_step` when given): what a resumed run
+    must reproduce of the uninterrupted one."""
+    return {
+        ((r["step"], r.get("outer_step"), k) if with_outer_step else (r["step"], k)): r[k]
+        for r in rows
+        if after_step is None or r["step"] > after_step
+        for k in keep
+        if k in r
+    }
+
+
+def log_tails(folder: Path, chars: int = 3000) -> str:
+    """The last `chars` characters of every *.log in `folder`, each under its name: what an
+    assertion about a multi-process run shows when it fails."""
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text()[-chars:]}" for p in sorted(folder.glob("*.log"))
+    )

@@ -1,0 +1,74 @@
+"""A SIGTERM to one node mid-round (a spot machine's notice): it leaves at once, saves, exits 0,
+and the same command rejoins later through live recovery; the other node never waits for a
+heartbeat timeout. (Every node stopped together resumes exactly: test_diloco_train.py.)
+
+The coordinator is its own `prime-mesh coordinator` process; each node is its own `prime-train`
+process in its own folder, as on its own machine.
+"""
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from prime_testkit import (
+    folder_metrics,
+    free_port,
+    log_tails,
+    outer_hashes,
+    outer_rows,
+    start_cli_node,
+    start_coordinator_cli,
+    wait_until,
+)
+
+TOKEN = "sigterm-test-token"
+H = 40  # a round of several seconds here, far longer than stop_within_s below
+STEPS = 200
+# heartbeats that would take two minutes to notice a vanished node: the survivor must not wait
+SLOW_HEARTBEATS = {"PRIME_MESH__HEARTBEAT_TIMEOUT_S": "120"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_sigterm_mid_round_leaves_at_once_and_the_same_command_rejoins(
+    tmp_path, token_cache, children
+):
+    port = free_port()
+    start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN)
+
+    def start(folder: Path):
+        return start_cli_node(
+            children, folder, coordinator=f"127.0.0.1:{port}", host="127.0.0.1", token=TOKEN,
+            cache=token_cache, steps=STEPS, inner_steps=H, env=SLOW_HEARTBEATS,
+            args=("--train.stop_within_s", "1", "--ckpt.every", "0"),
+        )  # fmt: skip
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    pa, pb = start(a), start(b)
+    wait_until(lambda: outer_rows(folder_metrics(b)) or pb.poll() is not None, 240,
+               what="the first outer step")  # fmt: skip
+    assert pa.poll() is None and pb.poll() is None, log_tails(tmp_path)
+
+    pb.send_signal(signal.SIGTERM)
+    assert pb.wait(timeout=30) == 0, log_tails(tmp_path)  # within 30 s, cleanly
+    left = b.with_suffix(".log").read_text()
+    assert "SIGTERM received: left the mesh and checkpointed step 40" in left, left[-2000:]
+    assert "left gracefully" in (tmp_path / "coordinator.log").read_text(), log_tails(tmp_path)
+
+    # the survivor commits alone at its next boundary, long before a heartbeat timeout
+    def alone() -> bool:
+        return any(r["nodes"] == 1 for r in outer_rows(folder_metrics(a)))
+
+    wait_until(lambda: alone() or pa.poll() is not None, 90, what="the survivor to go on alone")
+    assert alone(), log_tails(tmp_path)
+
+    pb = start(b)  # the same command: rejoins through live recovery
+    assert pb.wait(timeout=300) == 0 and pa.wait(timeout=120) == 0, log_tails(tmp_path)
+    joined = [r for r in folder_metrics(b) if r.get("joined")]
+    assert joined and joined[0]["fetch_bytes"] > 0, log_tails(tmp_path)
+    mine, theirs = outer_hashes(folder_metrics(b)), outer_hashes(folder_metrics(a))
+    after = {k: v for k, v in mine.items() if k > 1}
+    assert after, mine
+    for k, digest in after.items():
+        assert theirs[k] == digest, f"outer step {k} differs after the rejoin at {joined[0]}"
