@@ -1,13 +1,16 @@
 """A full disk fails the background copy, keeps every older checkpoint, and the run goes on."""
 
+import logging
 import os
 import subprocess
+import threading
 import uuid
+import warnings
 
 import pytest
 import torch
 
-from prime_ckpt import CheckpointError, CheckpointManager, CheckpointWarning
+from prime_ckpt import CheckpointError, CheckpointFailure, CheckpointManager, CheckpointWarning
 from prime_ckpt.faults import ENV
 from prime_ckpt.manifest import verify_dir
 
@@ -56,6 +59,49 @@ def test_disk_full_keeps_older_checkpoints(small_disk, tmp_path):
     with CheckpointManager(disk, shm_dir=tmp_path / "fresh-shm") as mgr:
         assert mgr.load_latest(target) == 4
     assert target["step_value"] == 4.0
+
+
+def test_background_failures_are_said_once_counted_and_handed_to_on_error(
+    small_disk, tmp_path, caplog
+):
+    """Failed disk saves and uploads that fail after their retries: each is one ERROR line
+    of the `prime_ckpt` logger (the retries are INFO), counted in `errors`, listed by
+    `failures()` and handed to `on_error` on a background thread; the caller is told through
+    the callback only (no warning at the next save, no error from wait())."""
+    caplog.set_level(logging.INFO, logger="prime_ckpt")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the remote folder's parent is a file: no upload can succeed")
+    told: list[tuple[CheckpointFailure, str]] = []
+
+    def on_error(f: CheckpointFailure) -> None:
+        told.append((f, threading.current_thread().name))
+
+    kw = dict(remote=f"file://{blocker / 'remote'}", remote_retries=2, remote_backoff=0.01)
+    with CheckpointManager(
+        small_disk / "ckpt", shm_dir=tmp_path / "shm", on_error=on_error, **kw
+    ) as mgr:
+        mgr.save(1, vec(300, 1.0)).wait(60)  # on disk; its upload fails
+        assert mgr.wait_remote(60)
+        h2 = mgr.save(2, vec(800, 2.0))  # 300 KiB + 800 KiB does not fit in 1 MiB
+        assert h2.join(60) and h2.error
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointWarning)
+            mgr.save(3, vec(10, 3.0))  # the failure went to on_error: no warning here
+        mgr.wait(60)  # nor an error here
+        assert mgr.wait_remote(60)
+        third = (3, "remote") if os.path.ismount(small_disk) else (3, "disk")  # enospc@2,3
+        assert mgr.errors == 3
+        got = [(f.step, f.tier) for f in mgr.failures()]
+        assert got == [(1, "remote"), (2, "disk"), third]
+        assert [(f.step, f.tier) for f, _ in told] == got
+        assert all(thread != "MainThread" for _, thread in told)
+        assert "Not a directory" in told[0][0].message or "exists" in told[0][0].message
+        assert "No space left on device" in told[1][0].message
+    lines = [r for r in caplog.records if r.name == "prime_ckpt" and r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in lines] == [f"prime-ckpt: {f.message}" for f, _ in told]
+    assert {r.levelno for r in lines} == {logging.ERROR}
+    retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert retries and {r.levelno for r in retries} == {logging.INFO}
 
 
 def test_unwritable_disk_dir_is_a_clear_error(tmp_path):

@@ -163,6 +163,12 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 report("members", members=mesh.members())
             elif cmd == "check":
                 report("check", abort=mesh.should_abort())
+            elif cmd == "resources":  # open files and threads of this process, from /proc
+                report(
+                    "resources",
+                    fds=len(os.listdir("/proc/self/fd")),
+                    threads=len(os.listdir("/proc/self/task")),
+                )
             elif cmd == "sockets":
                 report("sockets", **{k: sorted(v) for k, v in tcp_endpoints().items()})
             elif cmd == "close":

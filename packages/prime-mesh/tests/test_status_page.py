@@ -118,7 +118,7 @@ def test_api_status_shows_progress_members_and_history(served):
 def test_metrics_parse_with_the_prometheus_parser(served):
     coord, page, mesh = served
     report_and_wait(coord, mesh, step=40, loss=2.5, eval_loss=2.75, tokens_per_s=321.0,
-                    bytes_sent=1000)  # fmt: skip
+                    bytes_sent=1000, ckpt_errors=2)  # fmt: skip
     status, headers, body = get(page.url + "metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     samples = {}
@@ -135,6 +135,7 @@ def test_metrics_parse_with_the_prometheus_parser(served):
     assert samples[("prime_mesh_node_eval_loss", node)] == 2.75
     assert samples[("prime_mesh_node_tokens_per_second", node)] == 321.0
     assert samples[("prime_mesh_node_bytes_sent", node)] == 1000
+    assert samples[("prime_mesh_node_ckpt_errors", node)] == 2
     assert 0 <= samples[("prime_mesh_node_heartbeat_age_seconds", node)] < 3
 
 

@@ -150,12 +150,13 @@ def test_mesh_progress_reports_rows_and_the_time_split():
     now = [100.0]
     mesh = Mesh()
     sink = MeshProgress(lambda: mesh, clock=lambda: now[0])
-    sink.write({"step": 10, "loss": float("nan"), "lr": 0.1, "tokens_per_s": 900.0, "time": 1.0})
+    sink.write({"step": 10, "loss": float("nan"), "lr": 0.1, "tokens_per_s": 900.0, "time": 1.0,
+                "ckpt_errors": 2})  # fmt: skip
     now[0] = 112.0
     sink.write({"step": 20, "outer_step": 1, "outer_seconds": 2.0, "allreduce_seconds": 0.5,
                 "bytes_sent": 4096, "nodes": 2, "epoch": 1, "outer_sha256": "ab"})  # fmt: skip
     assert mesh.reports == [
-        {"step": 10, "tokens_per_s": 900.0},  # a nan loss is not reported, nor unknown fields
+        {"step": 10, "tokens_per_s": 900.0, "ckpt_errors": 2},  # not a nan loss, nor `lr`
         {"step": 20, "outer_step": 1, "outer_seconds": 2.0, "allreduce_seconds": 0.5,
          "bytes_sent": 4096, "compute_seconds": 10.0, "wait_seconds": 1.5},
     ]  # fmt: skip

@@ -15,6 +15,7 @@ from prime_ckpt.errors import (
     PeerGoneError,
     StateMismatch,
 )
+from prime_ckpt.failures import CheckpointFailure
 from prime_ckpt.manager import CheckpointManager
 from prime_ckpt.manifest import committed_steps, step_dirname
 from prime_ckpt.peer import ask_donors, fetch_from_peer, resolve_token, serve_directory
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointFailure",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointSource",

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from prime_ckpt.errors import (
     NotCovered,
     StateMismatch,
 )
+from prime_ckpt.failures import CheckpointFailure, Failures
 from prime_ckpt.faults import fault
 from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
 from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
@@ -27,8 +27,6 @@ from prime_ckpt.remote_load import open_remote, settle_remote
 from prime_ckpt.staging import Stager, clean_stale, default_shm_dir
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
 from prime_ckpt.writer import TMP_PREFIX, DiskCommitter, copy_hashed, disk_steps
-
-log = logging.getLogger("prime_ckpt")
 
 
 class CheckpointManager:
@@ -40,6 +38,12 @@ class CheckpointManager:
     waits for it, so RAM use stays at two staged copies. With `group` (default: the default
     process group when torch.distributed is initialized) every rank writes its own shard and
     rank 0 commits once all shards are on disk.
+
+    A save or upload that fails in the background is logged (one ERROR line on the
+    `prime_ckpt` logger), counted in `errors`, listed by `failures()` and handed to
+    `on_error(CheckpointFailure)` (called on the background thread: keep it short). Training
+    is never interrupted by one. Without `on_error`, a failed disk save is also raised by
+    `wait()` or warned at the next `save()` unless its handle's `wait()` raised it.
     """
 
     def __init__(
@@ -54,7 +58,9 @@ class CheckpointManager:
         remote_compression: str | None = None,
         remote_retries: int = 5,
         remote_backoff: float = 0.5,
+        on_error: Callable[[CheckpointFailure], None] | None = None,
     ) -> None:
+        self._errors = Failures(on_error)
         self.keep = parse_keep(keep)
         self._remote = RemoteStore(remote, remote_options, remote_compression) if remote else None
         self.disk_dir = Path(disk_dir)
@@ -83,11 +89,11 @@ class CheckpointManager:
                 self._committer.pins,
                 retries=remote_retries,
                 backoff=remote_backoff,
+                on_failure=lambda step, msg: self._errors.add(step, "remote", msg),
             )
             self._committer.on_commit = self._uploader.submit
         self._inflight: SaveHandle | None = None
-        self._failures: dict[int, str] = {}
-        self._unreported: list[tuple[int, str]] = []
+        self._failures: dict[int, str] = {}  # disk saves that failed, until one succeeds
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._closed = False
@@ -119,7 +125,7 @@ class CheckpointManager:
                 f"staging step {step} in {self.shm_dir} failed: {e}; older checkpoints are "
                 "intact (free space in /dev/shm or pass shm_dir= on a larger filesystem)"
             ) from None
-        handle = SaveHandle(step, self._mark_reported)
+        handle = SaveHandle(step, self._errors.reported)
         self._inflight = handle
         self._jobs.put((handle, slot, dict(metadata or {})))
         return handle
@@ -128,20 +134,22 @@ class CheckpointManager:
         """Block until the last save is durable; CheckpointError for failures not yet reported."""
         if self._inflight is not None and not self._inflight.join(timeout):
             raise TimeoutError(f"step {self._inflight.step} not durable after {timeout}s")
-        with self._lock:
-            msgs, self._unreported = self._unreported, []
-        if msgs:
-            raise CheckpointError("; ".join(m for _, m in msgs))
+        failed = self._errors.take_unreported()
+        if failed:
+            raise CheckpointError("; ".join(f.message for f in failed))
 
-    def _mark_reported(self, step: int) -> None:
-        with self._lock:
-            self._unreported = [(s, m) for s, m in self._unreported if s != step]
+    @property
+    def errors(self) -> int:
+        """How many background saves (disk) and uploads (remote) failed so far."""
+        return self._errors.count
+
+    def failures(self) -> list[CheckpointFailure]:
+        """The background failures so far (the newest 100), oldest first."""
+        return self._errors.recent()
 
     def _report_warnings(self) -> None:
-        with self._lock:
-            msgs, self._unreported = self._unreported, []
-        for _, m in msgs:
-            warnings.warn(m, CheckpointWarning, stacklevel=3)
+        for f in self._errors.take_unreported():
+            warnings.warn(f.message, CheckpointWarning, stacklevel=3)
 
     def _work(self) -> None:
         while True:
@@ -156,7 +164,6 @@ class CheckpointManager:
                 if isinstance(e, OSError):
                     msg += f" (check free space and permissions of {self.disk_dir})"
                 msg += "; older checkpoints are intact"
-                log.error("prime-ckpt: %s", msg)
                 try:
                     self._committer.abort(handle.step, msg)
                 except Exception:
@@ -164,7 +171,7 @@ class CheckpointManager:
                 handle.error = msg  # finish() below marks it done
                 with self._lock:
                     self._failures[handle.step] = msg
-                    self._unreported.append((handle.step, msg))
+                self._errors.add(handle.step, "disk", msg)
             finally:
                 handle.finish()
 

@@ -63,7 +63,7 @@ class RemoteStore:
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (yet)
             return []
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
 
@@ -176,6 +176,7 @@ class Uploader:
         pins: set[int],
         retries: int = 5,
         backoff: float = 0.5,
+        on_failure: Callable[[int, str], None] | None = None,
     ) -> None:
         self.store = store
         self.disk_dir = disk_dir
@@ -185,6 +186,8 @@ class Uploader:
         self.pins = pins  # steps the disk pruner must keep while they wait or upload
         self.skipped: set[int] = set()
         self.failed: dict[int, str] = {}
+        # a step whose upload failed after every retry, and why (default: logged)
+        self.on_failure = on_failure or (lambda step, msg: log.error("prime-ckpt: %s", msg))
         self._pending: int | None = None
         self._busy: int | None = None
         self._stop = False
@@ -226,10 +229,16 @@ class Uploader:
 
     def discard_after(self, step: int) -> list[int]:
         """Once idle, delete the committed remote steps newer than `step`; returns them (a
-        step that cannot be deleted is logged and stays: its next upload replaces it)."""
+        step that cannot be deleted, or a remote that cannot be listed, is logged and stays:
+        a later upload replaces such a step)."""
         self.wait()
         removed = []
-        for s in self.store.steps():
+        try:
+            steps = self.store.steps()
+        except Exception as e:  # an unreachable remote must not stop a local start
+            log.warning("prime-ckpt: cannot list %s to remove newer steps: %s", self.store.url, e)
+            return removed
+        for s in steps:
             if s > step:
                 try:
                     self.store.delete(s)
@@ -249,9 +258,8 @@ class Uploader:
                 if attempt == self.retries:
                     raise
                 delay = min(self.backoff * 2**attempt, 30.0)
-                log.warning(
-                    "prime-ckpt: upload of %s failed (%s); retrying in %.1fs", what, e, delay
-                )
+                # INFO: not a failure yet; a failed upload is said once, after the last retry
+                log.info("prime-ckpt: upload of %s failed (%s); retrying in %.1fs", what, e, delay)
                 time.sleep(delay)
 
     def _run(self) -> None:
@@ -268,8 +276,8 @@ class Uploader:
                 self._tidy(step)
             except Exception as e:
                 msg = f"upload of step {step} to {self.store.url} failed: {e}; older remote copies are kept"
-                log.error("prime-ckpt: %s", msg)
                 self.failed[step] = msg
+                self.on_failure(step, msg)
             finally:
                 with self._cond:
                     self._busy = None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,14 +37,94 @@ class Epoch:
         )
 
 
-# Replaced groups are kept, never destroyed: a gloo group whose collective is stuck on a lost
-# peer blocks (holding the GIL) in its destructor until that peer's process exits.
-_RETIRED: list[Any] = []
+def _refs(items: list[Any], i: int) -> int:
+    return sys.getrefcount(items[i])
+
+
+_ONLY_LISTED = _refs([object()], 0)  # the count of an object only a list holds
+
+
+class RetiredGroups:
+    """Replaced groups, released once nothing else holds them, off the caller's thread.
+
+    A gloo group holds a store clone, a device (sockets, an epoll file, its own thread) and
+    worker threads: kept for good, a member gained about 12 open files and 6 threads per node
+    that joined and died. Its destructor waits for the collective in flight, if any, to end
+    (one stuck on a stalled peer ends at the group's timeout); torch releases the GIL
+    meanwhile, but the main thread must not wait on it. So a watcher thread sweeps the
+    retired groups every `interval` seconds while there are any: a group that only this list
+    holds (the caller dropped its `global_pg`, and with it any use of the group) is dropped
+    in a short-lived thread of its own, where any wait stays.
+
+    At exit, sweeping stops and releases under way are given `exit_wait` seconds to end: a
+    thread that finished a release while the interpreter shuts down would abort the process
+    (it cannot take the GIL back inside the group's destructor). Groups still retired then
+    go with the interpreter's own clean-up, as they did when groups were never released.
+    """
+
+    def __init__(self, interval: float = 0.5, exit_wait: float = 10.0) -> None:
+        self.interval, self.exit_wait = interval, exit_wait
+        self._groups: list[Any] = []
+        self._lock = threading.Lock()
+        self._watching = False
+        self._closing = False
+        self._releasing: list[threading.Thread] = []
+        atexit.register(self._at_exit)
+
+    def add(self, pg: Any) -> None:
+        with self._lock:
+            self._groups.append(pg)
+            if not self._watching:
+                self._watching = True
+                threading.Thread(
+                    target=self._watch, name="mesh-retired-groups", daemon=True
+                ).start()
+
+    def held(self) -> int:
+        """Retired groups not released yet."""
+        with self._lock:
+            return len(self._groups)
+
+    def sweep(self) -> int:
+        """Release every group nothing else holds (in a new thread); returns how many."""
+        with self._lock:
+            if self._closing:
+                return 0
+            groups = self._groups
+            unused = [i for i in range(len(groups)) if _refs(groups, i) <= _ONLY_LISTED]
+            done = [groups.pop(i) for i in reversed(unused)]
+            if done:
+                release = threading.Thread(
+                    target=done.clear, name="mesh-release-groups", daemon=True
+                )
+                self._releasing = [t for t in self._releasing if t.is_alive()] + [release]
+                release.start()
+        return len(unused)
+
+    def _at_exit(self) -> None:
+        with self._lock:
+            self._closing = True
+            releasing = list(self._releasing)
+        deadline = time.monotonic() + self.exit_wait
+        for t in releasing:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.sweep()
+            with self._lock:
+                if not self._groups:
+                    self._watching = False
+                    return
+
+
+RETIRED = RetiredGroups()
 
 
 def retire(pg: Any) -> None:
-    """Keep a replaced group alive for good (see _RETIRED)."""
-    _RETIRED.append(pg)
+    """Hand over a replaced group: released once nothing else holds it (see RetiredGroups)."""
+    RETIRED.add(pg)
 
 
 def start_build(

@@ -28,6 +28,7 @@ PROGRESS_FIELDS: dict[str, tuple[str, bool]] = {
     "compute_seconds": ("seconds of inner steps since the previous outer step", False),
     "allreduce_seconds": ("seconds in the last outer step's all-reduce", False),
     "wait_seconds": ("seconds of the last outer step spent waiting on peers", False),
+    "ckpt_errors": ("checkpoint saves and uploads that failed so far", True),
 }
 MAX_PENDING = 64  # reports queued between two heartbeats (older ones are dropped first)
 SERIES_POINTS = 2000  # points kept per node

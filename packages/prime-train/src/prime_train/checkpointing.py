@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prime_ckpt import CheckpointManager, is_dtensor
+from prime_ckpt import CheckpointFailure, CheckpointManager, SaveHandle, is_dtensor
 from prime_train.rundir import RunDirError
 
 
@@ -84,7 +84,11 @@ class Checkpointer:
 
     Every checkpoint carries `identity` (the run's name and config hash) in its manifest;
     `check_owner()` refuses folders and remote prefixes holding another run's checkpoints.
-    `keep` checkpoints are kept on disk and in the remote store."""
+    `keep` checkpoints are kept on disk and in the remote store.
+
+    A save or upload that fails in the background does not stop training: prime_ckpt says
+    it in one line (its `prime_ckpt` logger, printed as a line of the node's log by
+    `metrics.LogLines`) and `errors` counts it (the metrics rows' `ckpt_errors`)."""
 
     def __init__(
         self,
@@ -106,8 +110,19 @@ class Checkpointer:
             remote_options=remote_options or None,
             keep={"disk": keep, "remote": keep},
             group=group,
+            on_error=self._failed,
         )
         self.last_saved: int | None = None
+        self._last: SaveHandle | None = None
+
+    @property
+    def errors(self) -> int:
+        """Checkpoint saves (disk) and uploads (remote) that failed so far."""
+        return self.manager.errors
+
+    def _failed(self, failure: CheckpointFailure) -> None:
+        """Told by the manager's background thread: already logged and counted there, so
+        neither `wait()` nor the next `save()` raises or warns about it again."""
 
     def check_owner(self) -> None:
         """RunDirError if any tier holds a checkpoint of another run (another name or config
@@ -139,7 +154,7 @@ class Checkpointer:
         """Returns once staged in RAM; disk/remote copies finish in the background."""
         if self.last_saved == step:
             return
-        self.manager.save(step, state, metadata=self.identity)
+        self._last = self.manager.save(step, state, metadata=self.identity)
         self.last_saved = step
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
@@ -158,7 +173,13 @@ class Checkpointer:
         return self.manager.discard_after(step)
 
     def wait(self) -> None:
+        """Block until the last save ended (a failure was said in the log and counted)."""
         self.manager.wait()
+
+    def wait_durable(self) -> None:
+        """Block until the last save is on disk; CheckpointError if it failed."""
+        if self._last is not None:
+            self._last.wait()
 
     def committed_steps(self) -> list[int]:
         """Steps this rank holds committed in RAM, on disk or in the remote store (each copy is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -25,10 +26,40 @@ class Log:
     def warn(self, msg: str) -> None:
         self._write(f"warning: {msg}")
 
+    def error(self, msg: str) -> None:
+        self._write(f"error: {msg}")
+
     def _write(self, msg: str) -> None:
         stream = self.stream or sys.stdout
         stream.write(f"{self.prefix} {msg}\n")
         stream.flush()
+
+
+class LogLines(logging.Handler):
+    """A library logger's warnings and errors as lines of a node's `Log` (`warning: ...`,
+    `error: ...`): one line per record, never a traceback. prime_ckpt logs a checkpoint save
+    or upload that failed in the background on its `prime_ckpt` logger; without a handler
+    Python would print it bare on stderr. `attach` it for a run, `detach` it after."""
+
+    def __init__(self, log: Log, logger: str) -> None:
+        super().__init__(logging.WARNING)
+        self.log, self.logger = log, logging.getLogger(logger)
+
+    @classmethod
+    def attach(cls, log: Log, logger: str = "prime_ckpt") -> LogLines:
+        handler = cls(log, logger)
+        handler.logger.addHandler(handler)
+        return handler
+
+    def detach(self) -> None:
+        self.logger.removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = " ".join(record.getMessage().splitlines())
+            (self.log.error if record.levelno >= logging.ERROR else self.log.warn)(msg)
+        except Exception:
+            self.handleError(record)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

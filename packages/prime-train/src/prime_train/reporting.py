@@ -25,6 +25,7 @@ _PROGRESS = {
     "outer_seconds": "outer_seconds",
     "bytes_sent": "bytes_sent",
     "allreduce_seconds": "allreduce_seconds",
+    "ckpt_errors": "ckpt_errors",
 }
 
 

@@ -18,7 +18,7 @@ import torch
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
 from prime_train.diloco.join import enter_running_job, load_members_state
-from prime_train.metrics import Log
+from prime_train.metrics import Log, LogLines
 from prime_train.optim import lr_at
 from prime_train.outer_boundary import OuterBoundary
 from prime_train.placement import Placement, init_placement
@@ -59,6 +59,7 @@ class Meter:
                 "lr": lr,
                 "tokens": run.progress["tokens"],
                 "tokens_per_s": tps,
+                "ckpt_errors": run.ckpt.errors,  # checkpoint saves and uploads failed so far
             }
         )
         self.log.info(
@@ -112,6 +113,7 @@ def train(
             f"rank {mesh.global_rank} of {mesh.global_world_size} nodes"
         )
     run: Run | None = None
+    lines = LogLines.attach(log)  # a checkpoint that failed in the background: one line
     try:
         run = Run(cfg, placement, log)
         if outer is None and membership is not None:
@@ -126,10 +128,13 @@ def train(
         attach_reporting(cfg, run)
         return train_loop(run, outer)
     finally:
-        if outer is not None:  # an overlapped outer step may still have a round in flight
-            outer.close()
-        if run is not None:
-            run.close()
+        try:
+            if outer is not None:  # an overlapped outer step may still have a round in flight
+                outer.close()
+            if run is not None:
+                run.close()  # waits for the last upload
+        finally:
+            lines.detach()
         placement.close()
 
 

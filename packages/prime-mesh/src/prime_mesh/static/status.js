@@ -79,6 +79,7 @@ function renderNodes(status) {
     tr.appendChild(el("td", num(p.eval_loss, 4), "num"));
     tr.appendChild(el("td", p.outer_seconds === undefined ? "–" : num(p.outer_seconds, 2) + " s", "num"));
     tr.appendChild(el("td", bytes(p.bytes_sent), "num"));
+    tr.appendChild(el("td", p.ckpt_errors === undefined ? "–" : p.ckpt_errors, p.ckpt_errors ? "num warn" : "num"));
     const split = el("td");
     split.appendChild(splitBar(p));
     tr.appendChild(split);

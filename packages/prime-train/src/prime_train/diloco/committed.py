@@ -65,4 +65,4 @@ class CommittedState:
         run.progress.update(self.progress)
         torch.set_rng_state(self.rng)
         run.checkpoint(self.step, outer)
-        run.ckpt.wait()
+        run.ckpt.wait_durable()
