@@ -194,7 +194,7 @@ def test_machine_local_settings_leave_the_config_hash_alone(tmp_path):
         None,
         ["--run.runs_dir", str(tmp_path), "--data.cache_dir", "/x", "--train.threads", "3",
          "--ckpt.dir", "/c", "--ckpt.remote", "s3://b/r", "--ckpt.keep", "5",
-         "--mesh.node_name", "n7"],
+         "--mesh.node_name", "n7", "--train.micro_batch_size", "2"],
         env={},
     )  # fmt: skip
     assert local.fingerprint_hash() == base.fingerprint_hash()

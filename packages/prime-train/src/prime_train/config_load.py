@@ -170,9 +170,42 @@ def load_config(
         _set(tree, section, key, _from_string(section, key, raw), origin, where)
 
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_explain(e, tree, origin)) from None
+    check_combined(cfg, origin, env)
+    return cfg
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(values: list[int], x: int, n: int = 2) -> list[int]:
+    return sorted(sorted(values, key=lambda v: (abs(v - x), v))[:n])
+
+
+def check_combined(
+    cfg: Config,
+    origin: Mapping[tuple[str, str], str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Settings valid one by one but not together: a ConfigError naming the key, where it came
+    from and the values that would work."""
+    origin = origin or {}
+
+    def where(section: str, key: str) -> str:
+        return origin.get((section, key), "default")
+
+    t = cfg.train
+    if t.micro_batch_size is not None and t.batch_size % t.micro_batch_size:
+        ok = _divisors(t.batch_size)
+        raise ConfigError(
+            f"`train.micro_batch_size` = {t.micro_batch_size} ({where('train', 'micro_batch_size')}) "
+            f"does not divide `train.batch_size` = {t.batch_size} ({where('train', 'batch_size')}); "
+            f"use a divisor such as {' or '.join(map(str, _nearest(ok, t.micro_batch_size)))} "
+            "(or leave it unset: the whole batch at once)"
+        )
 
 
 def _explain(e: ValidationError, tree: dict, origin: dict) -> str:

@@ -1,11 +1,15 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU and grouped-query attention.
 
+Called with targets, the model returns the mean cross-entropy,
+computed in chunks of tokens so that a batch's full logits never exist (`prime_train.loss`).
+
 Presets follow the INTELLECT-1 family (150M, 1B, 7B and the 10B of INTELLECT-1 itself) plus a
 tiny debug model for CPU runs. Blocks live in `model.layers` so FSDP2 can shard each one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from prime_train.loss import linear_cross_entropy
 from prime_train.tokens import BYTE_VOCAB_SIZE
 
 
@@ -179,6 +184,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(a.dim // a.n_heads, a.max_seq_len, a.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # set (bf16) when the model is not FSDP2-wrapped: forward then runs under autocast, the
+        # unwrapped stand-in for FSDP2's mixed-precision policy
+        self.autocast_dtype: torch.dtype | None = None
 
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter (also after building on the meta device)."""
@@ -199,7 +207,21 @@ class Transformer(nn.Module):
         if seed is not None:
             torch.random.set_rng_state(gen_state)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (batch, seq, vocab), or with `targets` (batch, seq) the mean
+        cross-entropy, computed chunk by chunk without the batch's full logits."""
+        compute = (
+            torch.autocast(tokens.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with compute:
+            h = self.norm(self.hidden(tokens))
+            if targets is None:
+                return self.output(h)
+            return linear_cross_entropy(h, self.output.weight, targets)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
         if s > self.args.max_seq_len:
             raise ValueError(f"sequence of {s} tokens exceeds max_seq_len {self.args.max_seq_len}")
@@ -207,7 +229,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        return h
 
 
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
