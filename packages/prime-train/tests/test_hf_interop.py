@@ -383,3 +383,48 @@ def test_sharded_and_multi_node_checkpoints_export_the_same_model(exported, tmp_
         assert export(tmp_path / "nodes", "--node", k, "--out", tmp_path / f"node{k}") == 0
     a = (tmp_path / "node0" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "node1" / "model.safetensors").read_bytes()
+
+
+def test_every_node_writes_config_json_so_export_works_on_any_machine(tmp_path):
+    """Two DiLoCo nodes, each in its own folder as on its own machine (no launcher): both run
+    folders hold config.json, and `prime-train export` on either gives the same model."""
+    from prime_mesh import Coordinator
+
+    token = "every-node-config-token"
+    coord = Coordinator("127.0.0.1", port=0, token=token, min_nodes=2).start()
+    procs = []
+    try:
+        for k in range(2):
+            argv = [
+                sys.executable, "-m", "prime_train.cli", "--config", str(DEBUG),
+                "--run.runs_dir", str(tmp_path / f"machine{k}" / "runs"),
+                "--data.cache_dir", str(tmp_path / "cache"),
+                "--data.path", "{stdlib}/[a-c]*.py", "--data.seq_len", "32",
+                "--train.batch_size", "4", "--train.steps", "4", "--eval.batches", "1",
+                "--diloco.inner_steps", "2", "--ckpt.every", "2", "--launch.local_nodes", "1",
+                "--mesh.coordinator", coord.address, "--mesh.host", "127.0.0.1",
+                "--mesh.node_name", f"machine{k}",
+            ]  # fmt: skip
+            env = {key: v for key, v in os.environ.items() if not key.startswith("PRIME_")}
+            env.update(PRIME_TOKEN=token, OMP_NUM_THREADS="1")
+            procs.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
+        outs = [p.communicate(timeout=280)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        coord.close()
+    for k, p in enumerate(procs):
+        assert p.returncode == 0, outs[k][-3000:]
+    models = []
+    for k in range(2):
+        run_dir = tmp_path / f"machine{k}" / "runs" / "debug"
+        assert json.loads((run_dir / "config.json").read_text())["diloco"]["inner_steps"] == 2
+        assert export(run_dir, "--out", tmp_path / f"hf{k}") == 0
+        models.append((tmp_path / f"hf{k}" / "model.safetensors").read_bytes())
+    assert models[0] == models[1]  # DiLoCo checkpoints hold the outer weights

@@ -38,7 +38,9 @@ class Run:
         self.cfg, self.placement, self.log = cfg, placement, log
         node = placement.node
         self.primary = placement.rank == 0
-        self.run_dir = claim_run_dir(cfg, write=self.primary and node.index == 0)
+        # every node records the config in its run folder (its own machine's, or the folder
+        # simulated nodes share: written aside and renamed, so identical writes are harmless)
+        self.run_dir = claim_run_dir(cfg, write=self.primary)
         self.device = placement.device
         part, parts = data_part(node.index, node.count, placement.rank, placement.world_size)
 
