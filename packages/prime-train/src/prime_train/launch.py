@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from prime_train.datasets import LOCAL_PROCESSES_ENV
 from prime_train.lifetime import die_with_parent
 from prime_train.placement import NODE_ENV  # a node started with it never launches more
 
@@ -121,6 +122,7 @@ def launch_local_nodes(
                     "PRIME_MESH__COORDINATOR": address,
                     "PRIME_MESH__HOST": "127.0.0.1",
                     "OMP_NUM_THREADS": str(threads),
+                    LOCAL_PROCESSES_ENV: str(nodes * ranks_per_node),  # tokenizer workers' share
                     "PYTHONUNBUFFERED": "1",
                 }
                 if ranks_per_node > 1:  # the node's own torch.distributed world, as torchrun sets
