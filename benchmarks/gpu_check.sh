@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path as users run it, in one script (about 4 minutes on one H200), ending in one table:
-#   single   150M, FSDP2, bf16 on 1 GPU: steps/s, tokens/s, MFU against the bf16 matmul peak
-#            measured here; train and held-out loss must fall (Python stdlib text, byte tokens)
+#   single   150M, bf16 on 1 GPU (one rank: no FSDP2, autocast): steps/s, tokens/s, MFU
+#            against the bf16 matmul peak measured here; train and held-out loss must fall
+#            (Python stdlib text, byte tokens)
 #   node     one node of every GPU here (--launch.ranks_per_node = GPU count, NCCL inside the
 #            node); skipped with fewer than 2 GPUs (two NCCL ranks cannot share one GPU)
 #   diloco   2 local nodes of 1 rank on GPU 0 through the launcher (gloo between them, uint8
@@ -98,7 +99,7 @@ run_stage() { # name setup gpus peak seconds [prime-train overrides...]
     [ "$rc" -eq 0 ] || tail -n 5 "$RESULTS_DIR/$name.log" | sed "s/^/[gpu_check] $name: /"
 }
 
-run_stage single "1 $DEV, FSDP2" 1 "$PEAK" "$STAGE_S"
+run_stage single "1 $DEV, 1 rank" 1 "$PEAK" "$STAGE_S"
 if [ "$GPUS" -ge 2 ]; then
     run_stage node "1 node x $GPUS ranks" "$GPUS" "$PEAK" "$STAGE_S" \
         --launch.ranks_per_node "$GPUS"

@@ -1,11 +1,17 @@
-"""prime-train's single-node tokens/s against a bare FSDP2 loop on the same model, same run.
+"""prime-train's single-rank tokens/s against a plain PyTorch loop and a bare FSDP2 loop.
 
-Both sides build the same model, shard it with the same FSDP2 call and take AdamW steps on
-batches of the same shape. The bare loop feeds pre-made random batches and does nothing else;
-prime-train adds its data loader, schedule, logging, metrics and stop checks. Rounds alternate
-which side goes first so machine noise hits both; the figure is the ratio of medians.
+All three train the same model with the same AdamW on batches of the same shape:
+- plain: the model as a plain module (no FSDP2), `F.cross_entropy` over its full logits,
+  pre-made random batches, nothing else: what one would write by hand. The target is
+  prime-train >= 0.95x this.
+- bare FSDP2: the same loop with the model wrapped by prime-train's FSDP2 call (what a node
+  of one rank ran before it kept the model whole; FSDP2 still wraps nodes of several ranks).
+- prime-train: its own loop (`train()`): data loader, schedule, chunked loss, logging,
+  metrics and stop checks.
+Each round runs the three in a rotated order so machine noise hits all alike; the figures are
+the medians over rounds and the median of per-round ratios.
 
-    uv run python benchmarks/train_overhead.py            # CPU, about 2 minutes
+    uv run python benchmarks/train_overhead.py            # CPU, about 3 minutes
     uv run python benchmarks/train_overhead.py --device cuda --preset 150M --seq-len 1024
 """
 
@@ -23,7 +29,7 @@ from prime_train.config_load import load_config
 from prime_train.metrics import read_metrics
 from prime_train.model import Transformer, model_args
 from prime_train.optim import lr_at, make_optimizer, set_lr
-from prime_train.parallel import build_model
+from prime_train.parallel import shard_model, use_bf16
 from prime_train.placement import init_placement
 from prime_train.trainer import train
 
@@ -66,8 +72,9 @@ def make_config(a: argparse.Namespace, runs_dir: str, name: str):
     )
 
 
-def bare_loop(cfg, warmup: int, steps: int) -> float:
-    """The reference: the same FSDP2 model and AdamW, pre-made batches, nothing else."""
+def bare_loop(cfg, warmup: int, steps: int, fsdp: bool) -> float:
+    """A reference: the same model (FSDP2-wrapped, or a plain module) and AdamW, pre-made
+    batches, the full logits' cross-entropy, nothing else."""
     placement = init_placement(cfg)
     try:
         args = model_args(
@@ -76,9 +83,19 @@ def bare_loop(cfg, warmup: int, steps: int) -> float:
             n_layers=cfg.model.n_layers,
             max_seq_len=cfg.data.seq_len,
         )
-        with torch.device("meta"):
-            model = Transformer(args)
-        build_model(model, placement.device_mesh, placement.device, cfg.train, seed=0)
+        if fsdp:
+            with torch.device("meta"):
+                model = Transformer(args)
+            bf16 = use_bf16(cfg.train, placement.device)
+            shard_model(model, placement.device_mesh, cfg.train, bf16)
+            model.to_empty(device=placement.device)
+            with torch.no_grad():
+                model.init_weights(seed=0)
+        else:  # plain PyTorch: the module on the device, bf16 by autocast on CUDA
+            model = Transformer(args).to(placement.device)
+            model.init_weights(seed=0)
+            if use_bf16(cfg.train, placement.device):
+                model.autocast_dtype = torch.bfloat16
         opt = make_optimizer(model, cfg.optim)
         params = list(model.parameters())
         g = torch.Generator().manual_seed(0)
@@ -138,29 +155,38 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    bare, prime = [], []
+    runs_of: dict[str, list[float]] = {"plain": [], "fsdp2": [], "prime": []}
     with tempfile.TemporaryDirectory() as runs:
         for i in range(a.rounds):
             cfg = make_config(a, runs, f"round{i}")
-            # alternate which side goes first, so a load change hits both alike
-            if i % 2:
-                prime.append(prime_loop(cfg, a.warmup))
-                bare.append(bare_loop(cfg, a.warmup, a.steps))
-            else:
-                bare.append(bare_loop(cfg, a.warmup, a.steps))
-                prime.append(prime_loop(cfg, a.warmup))
+            loops = {
+                "plain": lambda cfg=cfg: bare_loop(cfg, a.warmup, a.steps, fsdp=False),
+                "fsdp2": lambda cfg=cfg: bare_loop(cfg, a.warmup, a.steps, fsdp=True),
+                "prime": lambda cfg=cfg: prime_loop(cfg, a.warmup),
+            }
+            order = list(loops)[i % 3 :] + list(loops)[: i % 3]  # rotate who goes first
+            for name in order:
+                runs_of[name].append(loops[name]())
+            plain, fsdp2, prime = (runs_of[k][-1] for k in ("plain", "fsdp2", "prime"))
             print(
-                f"round {i + 1}/{a.rounds}: bare FSDP2 {bare[-1]:,.0f} tok/s | "
-                f"prime-train {prime[-1]:,.0f} tok/s | ratio {prime[-1] / bare[-1]:.3f}",
+                f"round {i + 1}/{a.rounds}: plain {plain:,.0f} tok/s | bare FSDP2 {fsdp2:,.0f} "
+                f"tok/s | prime-train {prime:,.0f} tok/s | prime/plain {prime / plain:.3f}, "
+                f"prime/FSDP2 {prime / fsdp2:.3f}",
                 flush=True,
             )
-    b, t = statistics.median(bare), statistics.median(prime)
-    paired = statistics.median(x / y for x, y in zip(prime, bare, strict=True))
+    med = {k: statistics.median(v) for k, v in runs_of.items()}
+
+    def paired(k: str) -> float:
+        return statistics.median(x / y for x, y in zip(runs_of["prime"], runs_of[k], strict=True))
+
     print(
         f"\nmedian over {a.rounds} rounds ({a.steps} steps each, {a.device}, "
-        f"{a.threads} thread(s)): bare {b:,.0f} tok/s, prime-train {t:,.0f} tok/s; "
-        f"ratio of medians {t / b:.3f}, median of per-round ratios {paired:.3f} "
-        "(target >= 0.95)"
+        f"{a.threads} thread(s)): plain {med['plain']:,.0f} tok/s, bare FSDP2 "
+        f"{med['fsdp2']:,.0f} tok/s, prime-train {med['prime']:,.0f} tok/s\n"
+        f"prime-train / plain PyTorch: ratio of medians {med['prime'] / med['plain']:.3f}, "
+        f"median of per-round ratios {paired('plain'):.3f} (target >= 0.95)\n"
+        f"prime-train / bare FSDP2: ratio of medians {med['prime'] / med['fsdp2']:.3f}, "
+        f"median of per-round ratios {paired('fsdp2'):.3f}"
     )
 
 

@@ -90,6 +90,29 @@ def test_shipped_configs_parse():
         ("[train\n", [], {}, ["not valid TOML"]),
         ("", ["steps", "3"], {}, ["unexpected argument `steps`", "--section.key"]),
         ("", ["--mesh.token", "s3cret"], {}, ["refused", "PRIME_TOKEN"]),
+        # DiLoCo checkpoints at outer steps only: the two multiples of H around the value
+        (
+            "[diloco]\ninner_steps = 20\n",
+            ["--launch.local_nodes", "2", "--ckpt.every", "30"],
+            {},
+            [
+                "`ckpt.every` = 30 (from --ckpt.every)",
+                "`diloco.inner_steps` = 20 (in ",
+                "use ckpt.every = 20 or 40 (or 0: only when stopping)",
+            ],
+        ),
+        (
+            "",
+            ["--mesh.coordinator", "h:1", "--diloco.inner_steps", "50"],
+            {"PRIME_CKPT__EVERY": "20"},
+            ["`ckpt.every` = 20 (from environment PRIME_CKPT__EVERY)", "ckpt.every = 50 (or 0"],
+        ),
+        (
+            "",
+            ["--launch.ranks_per_node", "2", "--ckpt.every", "7", "--diloco.inner_steps", "5"],
+            {},
+            ["ckpt.every = 5 or 10"],
+        ),
     ],
 )
 def test_errors_name_the_key_and_the_fix(tmp_path, toml, args, env, expect):
@@ -101,6 +124,13 @@ def test_errors_name_the_key_and_the_fix(tmp_path, toml, args, env, expect):
         assert piece in msg, (piece, msg)
     assert len(msg.splitlines()) <= 2
     assert "s3cret" not in msg
+
+
+def test_ckpt_every_off_the_outer_steps_is_fine_without_diloco():
+    """One node without a mesh checkpoints at any step (torchrun's ranks of one node too)."""
+    load_config(None, ["--ckpt.every", "30", "--diloco.inner_steps", "20"], env={})
+    args = ["--launch.ranks_per_node", "2", "--ckpt.every", "7", "--diloco.inner_steps", "5"]
+    load_config(None, args, env={"LOCAL_RANK": "0"})
 
 
 def test_missing_config_file(tmp_path):
@@ -155,6 +185,15 @@ def test_cli_config_errors_exit_2_without_traceback(tmp_path, run_cli):
     assert r.returncode == 2 and "PRIME_TOKEN" in r.stderr and "s3cret" not in r.stderr
     r = run_cli("--config", str(DEBUG), env={"PRIME_TRAIN__STEPS": "-1"})
     assert r.returncode == 2 and "PRIME_TRAIN__STEPS" in r.stderr and "Traceback" not in r.stderr
+    # the debug config's 2 DiLoCo nodes take an outer step every 50: refused before any starts
+    r = run_cli("--config", str(DEBUG), "--run.runs_dir", str(tmp_path), "--ckpt.every", "120")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        "prime-train: config error: `ckpt.every` = 120 (from --ckpt.every) is not a multiple of "
+        f"`diloco.inner_steps` = 50 (in {DEBUG}): a DiLoCo node checkpoints only at outer steps; "
+        "use ckpt.every = 100 or 150 (or 0: only when stopping)"
+    )
+    assert "coordinator" not in r.stdout and not (tmp_path / "debug").exists()
 
 
 def test_cli_help_documents_fields(run_cli):
@@ -202,7 +241,7 @@ def test_machine_local_settings_leave_the_config_hash_alone(tmp_path):
         None,
         ["--run.runs_dir", str(tmp_path), "--data.cache_dir", "/x", "--train.threads", "3",
          "--ckpt.dir", "/c", "--ckpt.remote", "s3://b/r", "--ckpt.keep", "5",
-         "--mesh.node_name", "n7"],
+         "--mesh.node_name", "n7", "--train.micro_batch_size", "2"],
         env={},
     )  # fmt: skip
     assert local.fingerprint_hash() == base.fingerprint_hash()

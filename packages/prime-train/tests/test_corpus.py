@@ -232,3 +232,63 @@ def test_tokenizes_a_corpus_several_times_larger_than_its_peak_memory(tmp_path):
     assert m["tokens"] > 0.9 * corpus_bytes  # byte tokens: (nearly) all of it, minus held-out
     print(f"corpus {corpus_bytes / 2**20:.0f} MB, peak RSS {peak / 2**20:.0f} MB ({m})")
     assert corpus_bytes > 4 * peak, (corpus_bytes, m)
+
+
+def test_each_rank_starts_at_most_its_share_of_the_cores_in_workers(
+    parquet_corpus, tmp_path, monkeypatch
+):
+    """Tokenizer workers per rank: cores / local ranks (torchrun's LOCAL_WORLD_SIZE, or every
+    rank process the local launcher runs here), for the default and as a cap on data.workers."""
+    from prime_train import datasets
+    from prime_train.config_load import load_config
+
+    monkeypatch.setattr(datasets, "cores", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv(datasets.LOCAL_PROCESSES_ENV, raising=False)
+    pick = datasets.tokenizer_workers
+    assert (pick(None), pick(4), pick(0), pick(64)) == (16, 4, 0, 16)  # one rank: every core
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun --nproc-per-node 8
+    assert (pick(None), pick(1), pick(0), pick(64)) == (2, 1, 0, 2)
+    monkeypatch.setenv(datasets.LOCAL_PROCESSES_ENV, "32")  # more ranks than cores: still 1
+    assert (pick(None), pick(3)) == (1, 1)
+
+    # what a rank of a node of 8 asks the token cache for
+    monkeypatch.setenv(datasets.LOCAL_PROCESSES_ENV, "1")
+    asked = []
+
+    def build(spec, cache, slot, slots, workers):
+        asked.append(workers)
+        return build_slot_tokens(spec, cache, slot, slots, 0)
+
+    monkeypatch.setattr(datasets, "build_slot_tokens", build)
+    args = ["--data.source", "parquet", "--data.path", str(parquet_corpus)]
+    cfg = load_config(DEBUG, [*args, "--data.cache_dir", str(tmp_path / "c")], env={})
+    datasets.open_datasets(cfg, 257, 0, 8)
+    assert asked == [2]
+
+
+def test_the_local_launcher_tells_each_rank_how_many_share_the_machine(tmp_path, monkeypatch):
+    import contextlib
+
+    from prime_train import launch
+    from prime_train.datasets import LOCAL_PROCESSES_ENV
+
+    seen = []
+
+    class Proc:
+        pid, stdout = 0, None
+
+        def __init__(self, argv, env, **kw):
+            seen.append(env[LOCAL_PROCESSES_ENV])
+
+    class Coord:
+        address = "127.0.0.1:1"
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Proc)
+    monkeypatch.setattr(launch, "_pump", lambda *a: None)
+    monkeypatch.setattr(launch, "_wait_registered", lambda *a: None)
+    monkeypatch.setattr(launch, "_wait_all", lambda ranks, *a, **k: {0: 0})
+    monkeypatch.setattr(launch.os, "killpg", lambda *a: None)
+    Proc.poll = lambda self: 0
+    launch.launch_local_nodes([], 2, lambda n: contextlib.nullcontext(Coord()), ranks_per_node=3)
+    assert seen == ["6"] * 6

@@ -272,6 +272,80 @@ def test_init_from_loads_bf16_tied_weights_with_the_same_logits(tmp_path):
         assert torch.allclose(ours(tokens), theirs, atol=1e-4, rtol=0)
 
 
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,  # wavelengths 6.3 (kept), 32 (blended), 167+ (scaled)
+}
+
+
+@pytest.mark.parametrize("written_as", ["rope_parameters", "rope_scaling"])
+def test_init_from_llama3_rope_scaling_gives_transformers_logits(tmp_path, written_as):
+    """A Llama 3.1-style folder (rope_type llama3), as transformers 5 writes it
+    (`rope_parameters`) and as Llama 3.1's own config.json and transformers 4 do
+    (`rope_scaling` beside `rope_theta`): prime-train's logits equal LlamaForCausalLM's."""
+    from prime_train.model import Llama3RopeScaling
+
+    hf_model = make_hf_folder(
+        tmp_path / "m", rope_theta=500000.0, max_position_embeddings=128, rope_scaling=dict(LLAMA3)
+    )
+    path = tmp_path / "m" / "config.json"
+    meta = json.loads(path.read_text())
+    if written_as == "rope_scaling":
+        meta.pop("rope_parameters")
+        meta.update(rope_scaling=dict(LLAMA3), rope_theta=500000.0)
+        path.write_text(json.dumps(meta))
+    else:
+        assert meta["rope_parameters"]["rope_type"] == "llama3"
+    args = args_from_hf(tmp_path / "m", max_seq_len=64)
+    assert args.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 64, context_len=128)
+    assert args.rope_theta == 500000.0
+    ours = Transformer(args)
+    load_hf_weights(ours, args, tmp_path / "m")
+    tokens = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = hf_model(tokens).logits
+        assert torch.allclose(ours(tokens), theirs, atol=1e-4, rtol=0)
+        # the scaling matters at these positions: without it the rotations and logits are off
+        from dataclasses import replace
+
+        plain = Transformer(replace(args, rope_scaling=None))
+        plain.load_state_dict(ours.state_dict())
+        assert (plain.rope_cos - ours.rope_cos).abs().max() > 0.5
+        assert (plain(tokens) - theirs).abs().max() > 1e-3  # 10x the tolerance above
+
+
+def test_llama3_folder_trains_and_exports_back(tmp_path, caplog):
+    """The user's path: `--model.init_from` a llama3-scaled folder, train, `prime-train export`
+    the step-0 checkpoint: transformers loads it as llama3 with the source model's logits."""
+    debug_shape = dict(hidden_size=128, intermediate_size=352, num_attention_heads=4)
+    hf_model = make_hf_folder(
+        tmp_path / "m",
+        rope_theta=500000.0,
+        max_position_embeddings=512,
+        rope_scaling=dict(LLAMA3),
+        **debug_shape,
+    )
+    r = cli(
+        "--config", DEBUG, "--run.runs_dir", tmp_path / "runs", "--launch.local_nodes", "1",
+        "--model.init_from", tmp_path / "m", "--data.path", "{stdlib}/[a-c]*.py",
+        "--data.seq_len", "64", "--train.batch_size", "4", "--train.steps", "2",
+        "--eval.batches", "1",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert export(tmp_path / "runs" / "debug", "--step", "0", "--out", tmp_path / "out") == 0
+    meta = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert meta["rope_scaling"] == LLAMA3 and meta["rope_parameters"]["rope_type"] == "llama3"
+    assert meta["max_position_embeddings"] == 512  # the source's context, not data.seq_len
+    back = load_hf(tmp_path / "out", caplog)
+    assert back.config.rope_parameters["rope_type"] == "llama3"
+    tokens = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.allclose(back(tokens).logits, hf_model(tokens).logits, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
@@ -383,3 +457,48 @@ def test_sharded_and_multi_node_checkpoints_export_the_same_model(exported, tmp_
         assert export(tmp_path / "nodes", "--node", k, "--out", tmp_path / f"node{k}") == 0
     a = (tmp_path / "node0" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "node1" / "model.safetensors").read_bytes()
+
+
+def test_every_node_writes_config_json_so_export_works_on_any_machine(tmp_path):
+    """Two DiLoCo nodes, each in its own folder as on its own machine (no launcher): both run
+    folders hold config.json, and `prime-train export` on either gives the same model."""
+    from prime_mesh import Coordinator
+
+    token = "every-node-config-token"
+    coord = Coordinator("127.0.0.1", port=0, token=token, min_nodes=2).start()
+    procs = []
+    try:
+        for k in range(2):
+            argv = [
+                sys.executable, "-m", "prime_train.cli", "--config", str(DEBUG),
+                "--run.runs_dir", str(tmp_path / f"machine{k}" / "runs"),
+                "--data.cache_dir", str(tmp_path / "cache"),
+                "--data.path", "{stdlib}/[a-c]*.py", "--data.seq_len", "32",
+                "--train.batch_size", "4", "--train.steps", "4", "--eval.batches", "1",
+                "--diloco.inner_steps", "2", "--ckpt.every", "2", "--launch.local_nodes", "1",
+                "--mesh.coordinator", coord.address, "--mesh.host", "127.0.0.1",
+                "--mesh.node_name", f"machine{k}",
+            ]  # fmt: skip
+            env = {key: v for key, v in os.environ.items() if not key.startswith("PRIME_")}
+            env.update(PRIME_TOKEN=token, OMP_NUM_THREADS="1")
+            procs.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
+        outs = [p.communicate(timeout=280)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        coord.close()
+    for k, p in enumerate(procs):
+        assert p.returncode == 0, outs[k][-3000:]
+    models = []
+    for k in range(2):
+        run_dir = tmp_path / f"machine{k}" / "runs" / "debug"
+        assert json.loads((run_dir / "config.json").read_text())["diloco"]["inner_steps"] == 2
+        assert export(run_dir, "--out", tmp_path / f"hf{k}") == 0
+        models.append((tmp_path / f"hf{k}" / "model.safetensors").read_bytes())
+    assert models[0] == models[1]  # DiLoCo checkpoints hold the outer weights

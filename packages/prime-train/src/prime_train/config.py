@@ -87,6 +87,13 @@ class DataConfig(Section):
 class TrainConfig(Section):
     steps: int = Field(1000, ge=1, description="optimizer steps in the whole run")
     batch_size: int = Field(8, ge=1, description="sequences per rank per step")
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="sequences per forward/backward: the step's batch is split into "
+        "micro-batches whose gradients are summed (same math, less activation memory); must "
+        "divide batch_size. Default: the whole batch at once",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' uses CUDA when present, else CPU"
     )
@@ -289,7 +296,8 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "run": ("log_every", "runs_dir", "trackers"),  # trackers: where a run is watched from
     "data": ("cache_dir", "workers"),  # workers: how fast tokens are made, not which
     "launch": ("status_port",),
-    "train": ("threads", "device", "stop_within_s"),
+    # micro_batch_size: memory, not the math; stop_within_s: a node's own patience
+    "train": ("threads", "device", "micro_batch_size", "stop_within_s"),
     "ckpt": ("dir", "shm_dir", "remote", "keep"),
     "diloco": ("max_rejoins", "rejoin_wait_s"),  # a node's own patience, not the math
 }

@@ -169,9 +169,60 @@ def load_config(
         _set(tree, section, key, _from_string(section, key, raw), origin, where)
 
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_explain(e, tree, origin)) from None
+    check_combined(cfg, origin, env)
+    return cfg
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _nearest(values: list[int], x: int, n: int = 2) -> list[int]:
+    return sorted(sorted(values, key=lambda v: (abs(v - x), v))[:n])
+
+
+def uses_diloco(cfg: Config, env: Mapping[str, str]) -> bool:
+    """Whether this config trains with DiLoCo: a mesh coordinator to join, or the local
+    launcher's nodes (several nodes, or several ranks outside torchrun), which join one."""
+    if cfg.mesh.coordinator is not None or cfg.launch.local_nodes > 1:
+        return True
+    return cfg.launch.ranks_per_node > 1 and "LOCAL_RANK" not in env
+
+
+def check_combined(
+    cfg: Config,
+    origin: Mapping[tuple[str, str], str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Settings valid one by one but not together: a ConfigError naming the key, where it came
+    from and the values that would work."""
+    origin = origin or {}
+    env = os.environ if env is None else env
+
+    def where(section: str, key: str) -> str:
+        return origin.get((section, key), "default")
+
+    t = cfg.train
+    if t.micro_batch_size is not None and t.batch_size % t.micro_batch_size:
+        ok = _divisors(t.batch_size)
+        raise ConfigError(
+            f"`train.micro_batch_size` = {t.micro_batch_size} ({where('train', 'micro_batch_size')}) "
+            f"does not divide `train.batch_size` = {t.batch_size} ({where('train', 'batch_size')}); "
+            f"use a divisor such as {' or '.join(map(str, _nearest(ok, t.micro_batch_size)))} "
+            "(or leave it unset: the whole batch at once)"
+        )
+    h, every = cfg.diloco.inner_steps, cfg.ckpt.every
+    if every and every % h and uses_diloco(cfg, env):
+        below, above = (every // h) * h, (every // h + 1) * h
+        near = " or ".join(str(v) for v in (below, above) if v > 0)
+        raise ConfigError(
+            f"`ckpt.every` = {every} ({where('ckpt', 'every')}) is not a multiple of "
+            f"`diloco.inner_steps` = {h} ({where('diloco', 'inner_steps')}): a DiLoCo node "
+            f"checkpoints only at outer steps; use ckpt.every = {near} (or 0: only when stopping)"
+        )
 
 
 def _explain(e: ValidationError, tree: dict, origin: dict) -> str:

@@ -30,8 +30,30 @@ class RunData:
     num_shards: int
 
 
-def default_workers() -> int:
+# set by the local launcher: how many rank processes it runs on this machine (all nodes)
+LOCAL_PROCESSES_ENV = "PRIME_LOCAL_PROCESSES"
+
+
+def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def local_ranks(group: dist.ProcessGroup | None = None) -> int:
+    """Rank processes sharing this machine: the node's ranks (torchrun's LOCAL_WORLD_SIZE, the
+    node group), or every rank of every node the local launcher simulates here."""
+    counts = [1, dist.get_world_size(group) if group is not None else 1]
+    for name in ("LOCAL_WORLD_SIZE", LOCAL_PROCESSES_ENV):
+        value = os.environ.get(name, "")
+        counts.append(int(value) if value.isdigit() else 1)
+    return max(counts)
+
+
+def tokenizer_workers(setting: int | None, group: dist.ProcessGroup | None = None) -> int:
+    """Tokenizer processes for this rank: `data.workers` (default: as many as allowed), at
+    most this rank's share of the cores, cores / local ranks (at least 1; 0 stays 0: in the
+    rank's own process), so ranks tokenizing at once do not oversubscribe the machine."""
+    limit = max(1, cores() // local_ranks(group))
+    return limit if setting is None else min(setting, limit)
 
 
 def open_datasets(
@@ -50,7 +72,7 @@ def open_datasets(
     d = cfg.data
     spec = CorpusSpec(d.path, d.source, d.text_field, d.tokenizer, d.heldout_fraction)
     cache = d.cache_dir or cfg.run.runs_dir / ".token-cache"
-    workers = default_workers() if d.workers is None else d.workers
+    workers = tokenizer_workers(d.workers, group)
     tokens, error = None, None
     try:
         tokens = build_slot_tokens(spec, cache, slot, slots, workers)

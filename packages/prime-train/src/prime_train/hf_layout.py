@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from prime_train.errors import ConfigError
-from prime_train.model import ModelArgs
+from prime_train.model import Llama3RopeScaling, ModelArgs
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -89,9 +89,7 @@ def hf_config(args: ModelArgs, eos_id: int | None, dtype: str = "float32") -> di
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "rope_scaling": None,
+        **rope_config(args),  # may raise max_position_embeddings
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -147,6 +145,65 @@ def _field(cfg: dict[str, Any], key: str, path: Path) -> Any:
     return cfg[key]
 
 
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_scaling(cfg: dict[str, Any], path: Path) -> Llama3RopeScaling | None:
+    """The rotary scaling of config.json: none, or Llama 3.1's (`rope_type` "llama3", written
+    as `rope_scaling` by transformers 4 and as `rope_parameters` by transformers 5)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "default":
+            continue
+        if kind != "llama3":
+            raise HFFormatError(
+                f"{path}: field {key!r} has rope_type {kind!r}; prime-train supports plain "
+                "rotary and rope_scaling of type 'llama3'"
+            )
+        if rope.get("original_max_position_embeddings") is None:  # as transformers falls back
+            rope = {**rope, "original_max_position_embeddings": cfg.get("max_position_embeddings")}
+        missing = [k for k in _LLAMA3_KEYS if rope.get(k) is None]
+        if missing:
+            raise HFFormatError(f"{path}: field {key!r} (llama3) lacks {', '.join(missing)}")
+        scaling = Llama3RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            context_len=int(cfg.get("max_position_embeddings") or 0) or None,
+        )
+        if scaling.high_freq_factor <= scaling.low_freq_factor:
+            raise HFFormatError(
+                f"{path}: field {key!r} (llama3) needs high_freq_factor > low_freq_factor"
+            )
+        return scaling
+    return None
+
+
+def rope_config(args: ModelArgs) -> dict[str, Any]:
+    """The rotary settings of config.json, as `rope_parameters` (transformers 5) and
+    `rope_scaling` (transformers 4)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is None:
+        return {"rope_theta": args.rope_theta, "rope_parameters": params, "rope_scaling": None}
+    s = args.rope_scaling
+    scaling = {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_seq_len,
+    }
+    return {
+        "rope_theta": args.rope_theta,
+        "rope_parameters": {**scaling, "rope_theta": args.rope_theta},
+        "rope_scaling": scaling,
+        # the context the scaling was made for (Llama 3.1: 131072), not the training length
+        "max_position_embeddings": max(args.max_seq_len, s.context_len or 0),
+    }
+
+
 def args_from_hf(folder: Path, max_seq_len: int) -> ModelArgs:
     """The ModelArgs of a Hugging Face Llama folder; what prime-train's model cannot represent
     is an HFFormatError naming the config.json field."""
@@ -155,8 +212,7 @@ def args_from_hf(folder: Path, max_seq_len: int) -> ModelArgs:
     if cfg.get("model_type") not in ("llama", None):
         raise HFFormatError(f"{path}: model_type {cfg['model_type']!r} is not 'llama'")
     rope = cfg.get("rope_parameters") or {}
-    if cfg.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise HFFormatError(f"{path}: field 'rope_scaling' is set; only plain rotary is supported")
+    scaling = _rope_scaling(cfg, path)
     for key, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if cfg.get(key, ok) != ok:
             raise HFFormatError(f"{path}: field {key!r} = {cfg[key]!r} is not supported")
@@ -178,6 +234,7 @@ def args_from_hf(folder: Path, max_seq_len: int) -> ModelArgs:
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_seq_len=max_seq_len,
+            rope_scaling=scaling,
         )
         args.validate()
     except ValueError as e:

@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from prime_train.datasets import LOCAL_PROCESSES_ENV
 from prime_train.lifetime import die_with_parent
 from prime_train.placement import NODE_ENV  # a node started with it never launches more
 
@@ -105,7 +106,7 @@ def launch_local_nodes(
                 flush=True,
             )
             for k in range(nodes):
-                env = _node_env(k, address, token, threads, ranks_per_node, extra_env)
+                env = _node_env(k, address, token, threads, (nodes, ranks_per_node), extra_env)
                 node_ranks = [_start_rank(node_argv, env, k, r, ranks_per_node)
                               for r in range(ranks_per_node)]  # fmt: skip
                 pumps += [_pump_output(r, ranks_per_node, errors) for r in node_ranks]
@@ -156,11 +157,13 @@ def _node_env(
     address: str,
     token: str,
     threads: int,
-    ranks_per_node: int,
+    shape: tuple[int, int],
     extra_env: dict[str, str] | None,
 ) -> dict[str, str]:
     """Simulated node k's environment: the mesh's address and secret, its index, its threads,
-    and, with several ranks, its own torch.distributed world as torchrun sets it."""
+    and, with several ranks, its own torch.distributed world as torchrun sets it. `shape`:
+    (nodes, ranks per node) on this machine."""
+    nodes, ranks_per_node = shape
     env = {
         **os.environ,
         **(extra_env or {}),
@@ -169,6 +172,7 @@ def _node_env(
         "PRIME_MESH__COORDINATOR": address,
         "PRIME_MESH__HOST": "127.0.0.1",
         "OMP_NUM_THREADS": str(threads),
+        LOCAL_PROCESSES_ENV: str(nodes * ranks_per_node),  # tokenizer workers' share
         "PYTHONUNBUFFERED": "1",
     }
     if ranks_per_node > 1:

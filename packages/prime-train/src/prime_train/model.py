@@ -1,11 +1,16 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU and grouped-query attention.
 
+Rotary frequencies are plain (`rope_theta`) or, for Llama 3.1+ checkpoints, scaled the Llama 3
+way (`Llama3RopeScaling`). Called with targets, the model returns the mean cross-entropy,
+computed in chunks of tokens so that a batch's full logits never exist (`prime_train.loss`).
+
 Presets follow the INTELLECT-1 family (150M, 1B, 7B and the 10B of INTELLECT-1 itself) plus a
 tiny debug model for CPU runs. Blocks live in `model.layers` so FSDP2 can shard each one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -14,7 +19,34 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from prime_train.loss import linear_cross_entropy
 from prime_train.tokens import BYTE_VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face `rope_type = "llama3"`): frequencies
+    whose wavelength exceeds `original_max_seq_len / low_freq_factor` are divided by `factor`,
+    those shorter than `original_max_seq_len / high_freq_factor` kept, those between blended."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+    # the checkpoint's context length (its max_position_embeddings), written back on export
+    context_len: int | None = None
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        low_wavelen = self.original_max_seq_len / self.low_freq_factor
+        high_wavelen = self.original_max_seq_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_seq_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
 
 
 @dataclass(frozen=True)
@@ -30,6 +62,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     hidden_dim: int | None = None  # the feed-forward width, when given outright (HF models)
+    rope_scaling: Llama3RopeScaling | None = None  # Llama 3.1+ checkpoints (HF "llama3")
 
     @property
     def kv_heads(self) -> int:
@@ -80,8 +113,12 @@ def model_args(preset: str, **overrides: int | None) -> ModelArgs:
     return args
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, seq_len: int, theta: float, scaling: Llama3RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv = scaling.apply(inv)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
     return angles.cos(), angles.sin()
 
@@ -176,18 +213,20 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([Block(a, i) for i in range(a.n_layers)])
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
-        cos, sin = rope_tables(a.dim // a.n_heads, a.max_seq_len, a.rope_theta)
+        cos, sin = rope_tables(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # set (bf16) when the model is not FSDP2-wrapped: forward then runs under autocast, the
+        # unwrapped stand-in for FSDP2's mixed-precision policy
+        self.autocast_dtype: torch.dtype | None = None
 
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter (also after building on the meta device)."""
         gen_state = torch.random.get_rng_state()
         if seed is not None:
             torch.manual_seed(seed)
-        cos, sin = rope_tables(
-            self.args.dim // self.args.n_heads, self.args.max_seq_len, self.args.rope_theta
-        )
+        a = self.args
+        cos, sin = rope_tables(a.dim // a.n_heads, a.max_seq_len, a.rope_theta, a.rope_scaling)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         nn.init.normal_(self.tok_embeddings.weight, std=1.0)
@@ -199,7 +238,21 @@ class Transformer(nn.Module):
         if seed is not None:
             torch.random.set_rng_state(gen_state)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (batch, seq, vocab), or with `targets` (batch, seq) the mean
+        cross-entropy, computed chunk by chunk without the batch's full logits."""
+        compute = (
+            torch.autocast(tokens.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with compute:
+            h = self.norm(self.hidden(tokens))
+            if targets is None:
+                return self.output(h)
+            return linear_cross_entropy(h, self.output.weight, targets)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
         if s > self.args.max_seq_len:
             raise ValueError(f"sequence of {s} tokens exceeds max_seq_len {self.args.max_seq_len}")
@@ -207,7 +260,7 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        return h
 
 
 def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

@@ -1,4 +1,11 @@
-"""FSDP2 sharding of the model over the node's device mesh (see `placement` for the mesh)."""
+"""FSDP2 sharding of the model over the node's device mesh (see `placement` for the mesh).
+
+A node of one rank has nothing to shard: there the model stays a plain module (plain tensor
+parameters, no all-gather or reduce-scatter per block), computing in bf16 under autocast where
+FSDP2 would apply its mixed-precision policy. Only `train.cpu_offload`, which is FSDP2's
+offload policy, keeps FSDP2 on one rank. Checkpoints load either way: prime-ckpt reads a plain
+tensor's rows into a DTensor shard and a DTensor's shards into a plain tensor.
+"""
 
 from __future__ import annotations
 
@@ -44,13 +51,25 @@ def shard_model(
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
 
 
+def uses_fsdp(mesh: DeviceMesh, cfg: TrainConfig) -> bool:
+    """FSDP2 when the node has several ranks to shard over (or CPU offload is asked for)."""
+    return mesh.size() > 1 or cfg.cpu_offload
+
+
 def build_model(
     model: Transformer, mesh: DeviceMesh, device: torch.device, cfg: TrainConfig, seed: int
 ) -> bool:
-    """Shard a meta-device model, materialise its local shards and initialise them; returns
-    whether it computes in bf16."""
+    """Shard a meta-device model (FSDP2; a node of one rank keeps it whole), materialise its
+    local shards and initialise them; returns whether it computes in bf16."""
     bf16 = use_bf16(cfg, device)
-    shard_model(model, mesh, cfg, bf16, pin_memory=device.type == "cuda")
+    if uses_fsdp(mesh, cfg):
+        shard_model(model, mesh, cfg, bf16, pin_memory=device.type == "cuda")
+    else:
+        for block in model.layers:
+            block.activation_checkpointing = cfg.activation_checkpointing
+            if cfg.compile:
+                block.compile()
+        model.autocast_dtype = torch.bfloat16 if bf16 else None
     model.to_empty(device="cpu" if cfg.cpu_offload else device)
     with torch.no_grad():
         model.init_weights(seed=seed)

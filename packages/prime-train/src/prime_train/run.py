@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from prime_train import checkpointing
 from prime_train.config import Config
@@ -38,7 +37,9 @@ class Run:
         self.cfg, self.placement, self.log = cfg, placement, log
         node = placement.node
         self.primary = placement.rank == 0
-        self.run_dir = claim_run_dir(cfg, write=self.primary and node.index == 0)
+        # every node records the config in its run folder (its own machine's, or the folder
+        # simulated nodes share: written aside and renamed, so identical writes are harmless)
+        self.run_dir = claim_run_dir(cfg, write=self.primary)
         self.device = placement.device
         part, parts = data_part(node.index, node.count, placement.rank, placement.world_size)
 
@@ -113,9 +114,17 @@ class Run:
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         set_lr(self.opt, lr_at(step, self.cfg.optim, self.cfg.train.steps))
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
+        micro = self.cfg.train.micro_batch_size or inputs.shape[0]
+        if micro >= inputs.shape[0]:
+            loss = self.model(inputs, targets)
+            loss.backward()
+        else:  # micro-batches: each one's mean loss weighted by its share, gradients summed
+            share = micro / inputs.shape[0]
+            loss = torch.zeros((), device=self.device)
+            for x, y in zip(inputs.split(micro), targets.split(micro), strict=True):
+                part = self.model(x, y) * share
+                part.backward()
+                loss += part.detach()
         if self.cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip, foreach=True)
         self.opt.step()
@@ -128,8 +137,7 @@ class Run:
         """Mean held-out loss over this node's fixed evaluation batches."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, targets in self.eval_set:
-            logits = self.model(inputs.to(self.device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+            loss = self.model(inputs.to(self.device), targets.to(self.device))
             total += torch.stack(
                 [loss.double(), torch.ones((), dtype=torch.float64, device=self.device)]
             )
