@@ -12,6 +12,7 @@ Each round runs the three in a rotated order so machine noise hits all alike; th
 the medians over rounds and the median of per-round ratios.
 
     uv run python benchmarks/train_overhead.py            # CPU, about 3 minutes
+    uv run python benchmarks/train_overhead.py --vocab 128256 --batch-size 4   # loss in 2 chunks
     uv run python benchmarks/train_overhead.py --device cuda --preset 150M --seq-len 1024
 """
 
@@ -67,6 +68,7 @@ def make_config(a: argparse.Namespace, runs_dir: str, name: str):
             "--optim.warmup_steps",
             "10",
             *(["--model.dim", str(a.dim), "--model.n_layers", str(a.layers)] if a.dim else []),
+            *(["--model.vocab_size", str(a.vocab)] if a.vocab else []),
         ],
         env={},
     )
@@ -81,6 +83,7 @@ def bare_loop(cfg, warmup: int, steps: int, fsdp: bool) -> float:
             cfg.model.preset,
             dim=cfg.model.dim,
             n_layers=cfg.model.n_layers,
+            vocab_size=cfg.model.vocab_size,
             max_seq_len=cfg.data.seq_len,
         )
         if fsdp:
@@ -145,6 +148,13 @@ def main() -> None:
     p.add_argument("--preset", default="debug")
     p.add_argument("--dim", type=int, default=256, help="override width (0: the preset's)")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="override the vocabulary (0: the preset's); from "
+        "2**24 / (batch x seq) tokens up, prime-train's loss runs in chunks",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=60, help="measured steps per round")

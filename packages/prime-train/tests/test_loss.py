@@ -74,8 +74,8 @@ def test_backward_keeps_no_chunk_logits():
 
 
 def test_chunk_size_follows_the_vocabulary():
-    assert chunk_tokens(128_256) == 130  # 2**24 logits per chunk: 64 MB in float32
-    assert chunk_tokens(32_000) == 524
+    assert chunk_tokens(128_256) == 523  # 2**26 logits per chunk: 256 MB in float32
+    assert chunk_tokens(32_000) == 2097
     assert chunk_tokens(10**9) == 1
 
 
