@@ -210,8 +210,9 @@ def test_large_outputs_streamed_equal_the_cached_path(bits, offset):
     assert torch.equal(out[: 4 * BLOCK], prime_comm.dequantize(head))
 
 
-@pytest.mark.parametrize("bits", LOW)
+@pytest.mark.parametrize("bits", [8, *LOW])
 def test_shape_out_and_fused_accumulate(bits):
+    """Every width (uint8 included): shapes, `out=`, the fused accumulate, pooled buffers."""
     x = torch.randn(300, 701)
     q = prime_comm.quantize(x, bits=bits)
     y = prime_comm.dequantize(q)

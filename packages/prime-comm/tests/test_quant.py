@@ -61,21 +61,6 @@ def test_extreme_ranges_stay_finite_and_bounded():
     assert torch.equal(prime_comm.dequantize(prime_comm.quantize(tiny)), tiny)
 
 
-def test_shape_out_and_fused_accumulate():
-    x = torch.randn(300, 700)
-    q = prime_comm.quantize(x)
-    y = prime_comm.dequantize(q)
-    assert y.shape == x.shape
-    out = torch.empty(300 * 700)
-    assert prime_comm.dequantize(q, out=out) is out and torch.equal(out, y.reshape(-1))
-    base = torch.randn(300, 700)
-    acc = base.clone()
-    assert prime_comm.dequantize_add_(acc, q) is acc
-    assert torch.equal(acc, base + y)
-    buf = torch.empty(prime_comm.encoded_nbytes(x.numel()), dtype=torch.uint8)
-    assert prime_comm.quantize(x, out=buf).data is buf
-
-
 SIMD_LEVELS = ["scalar", "avx2", "avx512"]
 
 
