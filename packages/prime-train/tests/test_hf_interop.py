@@ -459,6 +459,7 @@ def test_sharded_and_multi_node_checkpoints_export_the_same_model(exported, tmp_
     assert a == (tmp_path / "node1" / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow  # two CLI nodes: the quick loop keeps its 10-minute budget
 def test_every_node_writes_config_json_so_export_works_on_any_machine(tmp_path):
     """Two DiLoCo nodes, each in its own folder as on its own machine (no launcher): both run
     folders hold config.json, and `prime-train export` on either gives the same model."""
