@@ -82,7 +82,8 @@ def test_status_page_during_a_two_node_run(tmp_path, children):
             loss, heldout, sent = r[8], r[9], r[11]
             assert float(loss) > 0 and float(heldout) > 0, r
             assert sent.endswith("kB") or sent.endswith("MB"), r  # bytes per outer step
-            assert r[12].endswith(" s"), r  # compute · all-reduce · wait split
+            assert r[12] == "0", r  # checkpoint failures so far
+            assert r[13].endswith(" s"), r  # compute · all-reduce · wait split
         summary = session.find_element("id", "summary").text
         assert summary.startswith("epoch 1 · 2 members"), summary
         assert [r[2] for r in table(session, "events")] == ["formed"]
