@@ -21,7 +21,7 @@ from prime_train.hf_import import load_hf_weights, run_model_args
 from prime_train.metrics import Log, Metrics
 from prime_train.model import Transformer, num_params
 from prime_train.optim import lr_at, make_optimizer, set_lr
-from prime_train.parallel import build_model, reshard
+from prime_train.parallel import build_model, reshard, uses_fsdp
 from prime_train.placement import Placement
 from prime_train.rundir import claim_run_dir
 from prime_train.seam import OuterStep
@@ -103,8 +103,13 @@ class Run:
                 )
         self.log.info(
             f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
-            f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, FSDP2 over "
-            f"{placement.world_size} rank(s); {len(train_seqs)} train / {len(held_seqs)} held-out "
+            f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, "
+            + (
+                f"FSDP2 over {placement.world_size} rank(s)"
+                if uses_fsdp(placement.device_mesh, cfg.train)
+                else "one rank, unsharded"
+            )
+            + f"; {len(train_seqs)} train / {len(held_seqs)} held-out "
             f"sequences of {cfg.data.seq_len} tokens"
         )
 
