@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the working folders")
     args = ap.parse_args(argv)
     if args.quick:
-        args.nodes, args.steps, args.inner_steps, args.eval_every = 2, 300, 10, 50
+        # rounds of a few seconds: a joiner whose fetch outlasts a round still exits (issue #24)
+        args.nodes, args.steps, args.inner_steps, args.eval_every = 2, 600, 30, 150
     text = args.schedule or (schedule.QUICK if args.quick else schedule.DEFAULT)
     try:
         events = schedule.parse(text, args.nodes)
