@@ -340,6 +340,11 @@ class ElasticDeviceMesh:
         return len(self._current().members)
 
     @property
+    def global_members(self) -> tuple[str, ...]:
+        """The node ids of the installed group, in rank order (the same on every member)."""
+        return self._current().members
+
+    @property
     def epoch(self) -> int:
         return self._current().number
 

@@ -76,6 +76,12 @@ class DataConfig(Section):
         "byte", description="'byte' (256 bytes + end-of-text) or a Hugging Face tokenizer.json"
     )
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
+    slots: int = Field(
+        64,
+        ge=1,
+        description="disjoint data slots the training sequences are cut into; each node reads "
+        "its own slots, so a run never has more nodes than slots (part of the run's identity)",
+    )
     heldout_fraction: float = Field(
         0.05, gt=0.0, lt=0.5, description="share of documents held out for evaluation"
     )

@@ -41,7 +41,7 @@ from prime_train.seam import OuterStepReport
 
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
-             "late": ""}  # fmt: skip
+             "late": "", "consumed": None, "members": []}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -76,6 +76,8 @@ class DelayedDiloco(Diloco):
         opt = self.optimizer
         self._last_step = step
         waited = self._wait()
+        if self.data is not None:
+            self.data.end_round()
         if self._round["state"] != "none":
             self._apply_round(step, waited)
             # θ <- θ + (O' - X): the round start becomes the new outer weights' offset
@@ -83,13 +85,17 @@ class DelayedDiloco(Diloco):
             opt.shift_model(self.round_start)
         else:  # the first round (or the first after a settle): no update to apply yet
             self.rounds.end_round()
+        reads = self.data.uncommitted() if self.data is not None else None
+        contributing = contributing and (reads is None or any(reads))  # read nothing: no part
         opt.compute_pseudo_gradient()  # P = O' - θ
+        if not contributing:
+            opt.pseudo_gradient.zero_()
         opt.copy_model_into(self.round_start)  # X = θ
         self._round = dict(_NO_ROUND, state="running", step=step)
         self._rounds += 1
         self._thread = threading.Thread(
             target=self._background_round,
-            args=(self._round, contributing),
+            args=(self._round, contributing, reads),
             name=f"prime-outer-{self._rounds}",
             daemon=True,
         )
@@ -105,13 +111,15 @@ class DelayedDiloco(Diloco):
         self.round_start.copy_(self.optimizer.weights)
         return report
 
-    def _background_round(self, rnd: dict[str, Any], contributing: bool) -> None:
+    def _background_round(
+        self, rnd: dict[str, Any], contributing: bool, reads: list[int] | None
+    ) -> None:
         """One attempt, in the background thread: sync point, all-reduce, vote."""
         mesh, t0 = self.mesh, time.monotonic()
         try:
             regrouped = mesh.maybe_reinit_global_pg()
             faults.hold_outer_round(rnd["step"], self.log)
-            got = self.average(regrouped, contributing)
+            got = self.average(regrouped, contributing, reads)
             committed = mesh.should_commit(got.error is None)
             rnd.update(
                 state="committed" if committed else "dropped",
@@ -123,6 +131,8 @@ class DelayedDiloco(Diloco):
                 contributors=got.contributors,
                 error="" if committed else (got.error or "a peer failed"),
                 late=got.late or "",
+                consumed=got.consumed,
+                members=list(mesh.global_members),
             )
         except BaseException as e:  # the mesh is gone (coordinator lost, closed): re-raised
             self._fatal = e
@@ -150,10 +160,13 @@ class DelayedDiloco(Diloco):
                 "every node: outer weights unchanged, each replica gives back its own update"
             )
             self.rounds.end_round()
+            if self.data is not None:
+                self.data.drop()
             return None
         if rnd["late"]:  # the members committed; this joiner cannot use it and leaves
             raise JoinedLate(rnd["late"])
         self.optimizer.apply(to_model=False)
+        data = self._commit_data(rnd["consumed"], rnd["members"])
         stats = prime_comm.AllReduceStats(
             bytes_sent=int(rnd["bytes_sent"]),
             bytes_received=0,
@@ -169,7 +182,7 @@ class DelayedDiloco(Diloco):
             float(rnd["seconds"]),
             stats,
             int(rnd["contributors"]),
-            extra={"round_step": int(rnd["step"]), "waited_s": waited},
+            extra={"round_step": int(rnd["step"]), "waited_s": waited, **(data or {})},
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )
 

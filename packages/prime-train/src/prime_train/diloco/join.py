@@ -151,6 +151,7 @@ def load_members_state(
     record.rejoined = rejoined
     t = time.monotonic()
     run.load(record.step, outer)
+    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
     record.load_seconds = time.monotonic() - t
     membership.mesh.ready()
     mbps = record.bytes / 1e6 / record.seconds if record.seconds else float("inf")
