@@ -183,3 +183,92 @@ def simulate(seed: int, rounds: int = 40, slots: int = 8) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_exactly_once_under_random_churn(seed):
     simulate(seed)
+
+
+@pytest.mark.parametrize("third_round", ["committed", "dropped"])
+def test_delayed_rounds_hand_a_slot_over_only_once_its_last_reads_are_settled(third_round):
+    """overlap = "delayed": round k settles at the end of round k+1 (on a joiner, its entry
+    round at once). A joiner admitted at round 2's sync point takes slots from the members;
+    they read those slots in round 3 still, so the joiner starts on them only once round 3
+    settled, at the committed position, whether round 3 committed or was dropped."""
+    slots = 4
+    nodes = {n: loader(n, slots, lag=1) for n in ("a", "b")}
+    for ld in nodes.values():
+        ld.reassign(["a", "b"])
+    read: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    rows: list[tuple[str, dict]] = []
+
+    def read_round():
+        for n, ld in nodes.items():
+            for _ in range(2):
+                batch = ld.next_batch()
+                if batch is not None:
+                    read[n] += batch[0][:, 0].tolist()
+
+    def settle(ld, result):
+        consumed, members, ok = result
+        if ok:
+            rows.append((ld.name, ld.commit(consumed, members)))
+        else:
+            ld.drop()
+
+    def sync(members, contributors, ok=True):
+        """The background round: the header's sum over the contributors."""
+        sent = {n: nodes[n].uncommitted() for n in contributors}
+        return [float(sum(v[s] for v in sent.values())) for s in range(slots)], members, ok
+
+    read_round()  # round 1
+    for ld in nodes.values():
+        ld.end_round()
+    r1 = sync(["a", "b"], ["a", "b"])
+    checkpoint = nodes["a"].state_dict()  # a's checkpoint at this boundary, round 1 pending
+    read_round()  # round 2
+    for ld in nodes.values():
+        ld.end_round()
+        settle(ld, r1)
+    r2 = sync(["a", "b", "c"], ["a", "b"])  # c admitted here
+    c = nodes["c"] = loader("c", slots, lag=1)
+    c.load_state_dict(checkpoint)
+    c.forget_own()
+    settle(c, r1)  # c's entry: the pending round, then its own, at once
+    settle(c, r2)
+    assert c.mine == []
+    read_round()  # round 3: a and b still read the slots c was given
+    for n in ("a", "b"):
+        nodes[n].end_round()
+        settle(nodes[n], r2)
+    moved = slots_of(c.owners, "c")
+    assert moved and not set(moved) & set(nodes["a"].mine + nodes["b"].mine + c.mine)
+    r3 = sync(["a", "b", "c"], ["a", "b"], ok=third_round == "committed")
+    read_round()  # round 4: nobody reads c's slots yet
+    assert not read["c"]
+    for ld in nodes.values():
+        ld.end_round()
+        settle(ld, r3)
+    assert c.mine == moved
+    r4 = sync(["a", "b", "c"], ["a", "b", "c"])
+    read_round()  # round 5: c reads its slots from their settled positions
+    for ld in nodes.values():
+        ld.end_round()
+        settle(ld, r4)
+    r5 = sync(["a", "b", "c"], ["a", "b", "c"])
+    read_round()  # round 6
+    for ld in nodes.values():
+        ld.end_round()
+        settle(ld, r5)
+    chains: dict[int, list[tuple[str, int, int]]] = {s: [] for s in range(slots)}
+    for name, row in rows:
+        for s, (a, b) in row.items():
+            chains[int(s)].append((name, a, b))
+    for s in moved:  # handed from a or b to c: one chain, c's part after the others'
+        at = 0
+        for _, a, b in chains[s]:
+            assert a == at
+            at = b
+        assert chains[s][-1][0] == "c" and chains[s][0][0] != "c"
+        assert nodes["c"].positions[s] == at
+    if third_round == "committed":  # no sequence counted twice
+        counted = [i for n in "abc" for i in read[n]]
+        assert len(set(read["c"])) == len(read["c"])
+        assert not set(read["c"]) & (set(read["a"]) | set(read["b"])), (read, chains)
+        assert len(counted) == len(set(counted))

@@ -128,16 +128,17 @@ class SlotLoader:
         """A round settled with these counted reads (`consumed`: per slot, summed over the
         contributors) and these `members`: move the positions, re-assign the slots. Returns
         this node's counted reads, `{slot: [from, to)}` (empty when it sent none)."""
-        sent = self.uncommitted()
+        sent = self.uncommitted()  # (with overlap, also the reads of the round now running)
         mine: dict[str, list[int]] = {}
         for slot in range(self.slots):
             n = round(float(consumed[slot]))
-            if sent[slot] and n != sent[slot]:
-                raise RuntimeError(
-                    f"data slot {slot}: this node read {sent[slot]} sequences but the round "
-                    f"counted {n}: two nodes read the same slot (a bug; please report it)"
-                )
-            if sent[slot]:
+            if n and sent[slot]:  # one reader per slot: these are this node's reads
+                if n > sent[slot]:
+                    raise RuntimeError(
+                        f"data slot {slot}: this node read {sent[slot]} sequences but the "
+                        f"round counted {n}: two nodes read the same slot (a bug; please "
+                        "report it)"
+                    )
                 mine[str(slot)] = [self.positions[slot], self.positions[slot] + n]
             self.positions[slot] += n
         self.settled += 1
@@ -206,7 +207,9 @@ class SlotLoader:
     def state_dict(self) -> dict[str, Any]:
         return {
             **self.shared_state(),
-            "cursor": {str(s): at for s, at in self.cursor.items()},
+            # a list of fixed length (-1: no read pending), so every node's state has the same
+            # keys: a checkpoint loads strictly into another node's state (a joiner's)
+            "cursor": [self.cursor.get(s, -1) for s in range(self.slots)],
             "count": self.count,
         }
 
@@ -225,6 +228,6 @@ class SlotLoader:
         self.owners = list(state["owners"])
         self.readable_from = [int(r) for r in state["readable_from"]]
         self.settled = int(state["settled"])
-        self.cursor = {int(s): int(at) for s, at in state.get("cursor", {}).items()}
+        self.cursor = {s: int(at) for s, at in enumerate(state["cursor"]) if int(at) >= 0}
         self.count = int(state.get("count", 0))
         self._begin_round()
