@@ -213,6 +213,11 @@ class SlotLoader:
             "count": self.count,
         }
 
+    def load_shared(self, shared: dict[str, Any]) -> None:
+        """Take the members' shared state (`shared_state()` of a member) and none of their
+        own reads: a node catching up to them."""
+        self.load_state_dict({**shared, "cursor": [-1] * self.slots, "count": 0})
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "slots" not in state:
             raise DataError(
