@@ -39,10 +39,22 @@ def test_a_stuck_heartbeating_node_is_left_out_and_rejoins(tmp_path, token_cache
              "PRIME_TRAIN_FAULT_STALL_UNTIL": str(release)}  # fmt: skip
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
     try:
-        # started together (names come from the folders, so the order they register in is
-        # of no matter): the run forms once all three are ready
-        procs = [start_cli_node(children, n[k], coordinator=coord.address, cache=token_cache,
-                                env=stall if k == 2 else {}, **NODE) for k in range(3)]  # fmt: skip
+        procs = []
+        for k in range(3):  # one after the other, as the other CLI tests: three nodes starting
+            # (and the first building the token cache) at once starve heartbeats on 2 cores
+            procs.append(
+                start_cli_node(
+                    children,
+                    n[k],
+                    coordinator=coord.address,
+                    cache=token_cache,
+                    env=stall if k == 2 else {},
+                    **NODE,
+                )
+            )
+            wait_until(
+                lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k} registers"
+            )
         running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
         # the others commit twice without node 2 while it is still blocked
         wait_until(lambda: len(left_out_rounds(n[0])) >= 2 or not running(), 240,
