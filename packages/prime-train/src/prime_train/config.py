@@ -243,6 +243,13 @@ class DilocoConfig(Section):
         "round k runs in the background during round k+1 and its update is applied at the end "
         "of round k+1",
     )
+    sync_timeout_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="once the first node reaches a sync point, seconds the others have to "
+        "follow before they are left out of the round (evicted; they rejoin by themselves). "
+        "0: auto, 4x the largest arrival spread of the last 8 sync points, within [30, 600] s",
+    )
     max_rejoins: int = Field(
         3,
         ge=0,

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from prime_train import faults
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
 from prime_train.diloco.join import enter_running_job, load_members_state
@@ -189,6 +190,7 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     with StopSignal() as stop:
         while step < total:
             step += 1
+            faults.stall_training(step, log)  # a test's stuck node (off unless set)
             t = time.perf_counter()
             meter.add(run.inner_step(step))
             # with an outer step, checkpoints and stops wait for a boundary (synced weights)

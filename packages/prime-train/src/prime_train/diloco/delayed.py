@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 import prime_comm
+from prime_mesh import MeshTimeout
 from prime_train import faults
 from prime_train.diloco.outer_step import Diloco, JoinedLate
 from prime_train.seam import OuterStepReport
@@ -139,11 +140,20 @@ class DelayedDiloco(Diloco):
             rnd.update(state="failed", error=f"{type(e).__name__}: {e}")
 
     def _wait(self) -> float:
-        """Join the round in flight (if any); seconds the caller waited for it."""
+        """Join the round in flight (if any); seconds the caller waited for it. Every mesh
+        call in the round is bounded, so the round ends within the mesh's `round_bound()`
+        (plus a fault hook's hold): past it, MeshTimeout instead of a hang (the thread is
+        a daemon, and `close()` gives it one more bounded chance)."""
         if self._thread is None:
             return 0.0
         t = time.monotonic()
-        self._thread.join()
+        bound = self.mesh.round_bound() + faults.HOLD_ROUND_S
+        self._thread.join(bound)
+        if self._thread.is_alive():
+            raise MeshTimeout(
+                f"the background outer round of step {self._round['step']} did not end within "
+                f"{bound:.0f} s (the bound of its sync point, all-reduce and vote)"
+            )
         self._thread = None
         if self._fatal is not None:
             fatal, self._fatal = self._fatal, None
