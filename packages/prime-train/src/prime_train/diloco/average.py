@@ -41,9 +41,11 @@ def average_pseudo_gradient(
     outer_steps: int,
     contributing: bool = True,
     regrouped: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
-    `outer_steps` is this node's count of applied outer steps."""
+    `outer_steps` is this node's count of applied outer steps; `residual` receives this
+    node's quantization error (error feedback: `diloco/error_feedback.py`)."""
     t = time.monotonic()
     world = mesh.global_world_size
     contributors, late, mismatch = world, None, False
@@ -57,6 +59,7 @@ def average_pseudo_gradient(
             compression=compression,
             timeout=mesh.collective_timeout(),
             should_abort=mesh.should_abort,
+            residual=residual,
         )
     except Exception as e:  # the vote tells every member; all re-form and retry
         mesh.record_collective(time.monotonic() - t, ok=False)
