@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from prime_testkit import free_port, gloo_world
 from prime_train.config import Config, DilocoConfig
-from prime_train.diloco import Diloco
+from prime_train.diloco import Diloco, make_outer_step
 
 
 class ScriptedMesh:
@@ -127,6 +127,52 @@ def test_residual_is_carried_kept_on_retry_checkpointed_and_zero_for_a_joiner(ch
         assert out["carried"] and out["untouched_by_failed_vote"]
         assert out["in_state"] and out["loaded"]
     assert results[1]["joiner_zero"] and results[0]["member_changed"]
+
+
+def _delayed_worker(rank, world, port, q):
+    torch.set_num_threads(1)
+    gloo_world(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(400, 300)
+        cfg = DilocoConfig(
+            inner_steps=1, compression="uint4", error_feedback=True, overlap="delayed"
+        )
+        ref: list = []
+        mesh = ScriptedMesh(ref, votes=[True, False, True])  # round 2 is dropped
+        outer = make_outer_step(cfg, mesh, list(model.parameters()))
+        ref.append(outer)
+        for rnd in (1, 2, 3):
+            _move(model, rank, rnd)
+            outer.start(rnd)  # applies the previous round, starts this one in the background
+        outer.finish()
+        votes = mesh.residual_at_vote  # as each round's vote began, in the background thread
+        state = outer.state_dict()
+        q.put((rank, {
+            "carried": bool(votes[1].abs().sum() > 0),
+            "untouched_by_dropped_round": torch.equal(votes[1], votes[2]),
+            "kept_at_commit": not torch.equal(outer.feedback.residual, votes[2]),
+            "in_state": state["error_feedback"]["residual"] is outer.feedback.residual,
+            "digest": outer.optimizer.digest(),
+            "outer_steps": outer.rounds.outer_steps,
+        }))  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_delayed_overlap_keeps_a_committed_rounds_residual_and_not_a_dropped_ones(children):
+    """`overlap = "delayed"`: the background round sends P + residual and keeps the new
+    residual when its vote commits; a dropped round leaves it; the nodes stay identical."""
+    world, port = 2, free_port()
+    q = children.queue()
+    for r in range(world):
+        children.process(_delayed_worker, r, world, port, q)
+    results = dict(q.get(timeout=100) for _ in range(world))
+    for out in results.values():
+        assert out["carried"] and out["untouched_by_dropped_round"] and out["kept_at_commit"]
+        assert out["in_state"] and out["outer_steps"] == 2
+    assert results[0]["digest"] == results[1]["digest"]
 
 
 def test_off_by_default_and_out_of_the_hash_when_off():
