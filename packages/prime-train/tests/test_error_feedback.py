@@ -21,6 +21,7 @@ class ScriptedMesh:
 
     def __init__(self, outer_ref: list, votes: list[bool]):
         self.global_pg, self.global_world_size = dist.group.WORLD, dist.get_world_size()
+        self.global_members = tuple(f"node-{i}" for i in range(self.global_world_size))
         self.outer_ref, self.votes, self.regroup = outer_ref, list(votes), False
         self.residual_at_vote: list[torch.Tensor] = []
 
