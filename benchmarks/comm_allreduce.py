@@ -2,6 +2,10 @@
 
     uv run python benchmarks/comm_allreduce.py                       # loopback, W = 2..4
     uv run python benchmarks/comm_allreduce.py --wan 100 --sizes 1M 4M   # root: tbf-limited bed
+    uv run python benchmarks/comm_allreduce.py --compression uint2 --residual  # error feedback
+
+`--compression uint4|uint2` times that width instead of uint8; `--residual` passes a residual
+buffer (error feedback: `all_reduce(..., residual=)`), to price its extra decode pass.
 
 For each world size and tensor size (standard-normal data, op="avg") it reports the slowest
 rank's seconds (median of --repeats), the bytes each rank really wrote to its sockets
@@ -54,9 +58,10 @@ def worker(args: argparse.Namespace) -> None:
         exact = x.clone()
         dist.all_reduce(exact)
         exact /= args.world
-        rows = {"fp32": [], "uint8": []}
+        rows = {"fp32": [], "q": []}
+        res = torch.zeros(n) if args.residual else None
         for _ in range(args.repeats):
-            for kind in ("fp32", "uint8"):
+            for kind in ("fp32", "q"):
                 y = x.clone()
                 dist.barrier()
                 w0, t0 = wchar(), time.perf_counter()
@@ -64,21 +69,23 @@ def worker(args: argparse.Namespace) -> None:
                     dist.all_reduce(y)
                     y /= args.world
                 else:
-                    prime_comm.all_reduce(y, op="avg", timeout=600)
+                    prime_comm.all_reduce(
+                        y, op="avg", timeout=600, compression=args.compression, residual=res
+                    )
                 seconds = time.perf_counter() - t0
                 written = wchar() - w0
                 slowest = torch.tensor([seconds])
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                 rows[kind].append((slowest.item(), written))
-                if kind == "uint8":
+                if kind == "q":
                     err = ((y - exact).norm() / exact.norm()).item()
         out = {
             "rank": args.rank,
             "n": n,
             "fp32_s": statistics.median(r[0] for r in rows["fp32"]),
-            "uint8_s": statistics.median(r[0] for r in rows["uint8"]),
+            "q_s": statistics.median(r[0] for r in rows["q"]),
             "fp32_bytes": statistics.median(r[1] for r in rows["fp32"]),
-            "uint8_bytes": statistics.median(r[1] for r in rows["uint8"]),
+            "q_bytes": statistics.median(r[1] for r in rows["q"]),
             "err": err,
         }
         print(json.dumps(out), flush=True)
@@ -111,6 +118,9 @@ def run_world(args: argparse.Namespace, world: int, bed) -> list[dict]:
                 str(args.threads),
                 "--repeats",
                 str(args.repeats),
+                "--compression",
+                args.compression,
+                *(["--residual"] if args.residual else []),
                 "--sizes",
                 *map(str, args.sizes),
             ]
@@ -120,23 +130,27 @@ def run_world(args: argparse.Namespace, world: int, bed) -> list[dict]:
         for line in procs[0].stdout:
             row = json.loads(line)
             rows.append(row)
-            report(world, row, bed)
+            report(world, row, label(args))
         per_rank = [rows] + [[json.loads(line) for line in p.stdout] for p in procs[1:]]
         for p in procs:
             if p.wait(timeout=600) != 0:
                 raise SystemExit(f"a rank of the W={world} run failed (exit {p.returncode})")
         for i, row in enumerate(rows):  # bytes: average over ranks
-            for key in ("fp32_bytes", "uint8_bytes"):
+            for key in ("fp32_bytes", "q_bytes"):
                 row[key] = statistics.mean(r[i][key] for r in per_rank)
         return rows
     finally:
         children.kill_all()
 
 
-def report(world: int, r: dict, bed) -> None:
+def label(args: argparse.Namespace) -> str:
+    return args.compression + ("+residual" if args.residual else "")
+
+
+def report(world: int, r: dict, q: str) -> None:
     print(
-        f"  W={world} n={r['n']:>11,}: fp32 {r['fp32_s']:8.3f} s  uint8 {r['uint8_s']:8.3f} s  "
-        f"(time x{r['uint8_s'] / r['fp32_s']:.2f})  error {r['err']:.3%}",
+        f"  W={world} n={r['n']:>11,}: fp32 {r['fp32_s']:8.3f} s  {q} {r['q_s']:8.3f} s  "
+        f"(time x{r['q_s'] / r['fp32_s']:.2f})  error {r['err']:.3%}",
         flush=True,
     )
 
@@ -148,6 +162,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="kernel and torch threads per rank")
     ap.add_argument("--wan", type=float, default=None, help="link rate in Mbit/s (root)")
+    ap.add_argument("--compression", choices=["uint8", "uint4", "uint2"], default="uint8")
+    ap.add_argument("--residual", action="store_true", help="pass residual= (error feedback)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
@@ -172,29 +188,30 @@ def main() -> None:
                 results.append((world, run_world(args, world, bed)))
         else:
             results.append((world, run_world(args, world, None)))
+    q = label(args)
     print(
-        "\n| W | elements | fp32 s | uint8 s | time ratio | fp32 bytes/rank | "
-        "uint8 bytes/rank | bytes ratio | uint8 error |"
+        f"\n| W | elements | fp32 s | {q} s | time ratio | fp32 bytes/rank | "
+        f"{q} bytes/rank | bytes ratio | {q} error |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for world, rows in results:
         for r in rows:
             print(
-                f"| {world} | {r['n']:,} | {r['fp32_s']:.3f} | {r['uint8_s']:.3f} | "
-                f"{r['uint8_s'] / r['fp32_s']:.2f} | {r['fp32_bytes']:,.0f} | "
-                f"{r['uint8_bytes']:,.0f} | {r['uint8_bytes'] / r['fp32_bytes']:.3f} | "
+                f"| {world} | {r['n']:,} | {r['fp32_s']:.3f} | {r['q_s']:.3f} | "
+                f"{r['q_s'] / r['fp32_s']:.2f} | {r['fp32_bytes']:,.0f} | "
+                f"{r['q_bytes']:,.0f} | {r['q_bytes'] / r['fp32_bytes']:.3f} | "
                 f"{r['err']:.3%} |"
             )
     if args.wan:
-        print_utilisation(results, args.wan)
+        print_utilisation(results, args.wan, q)
 
 
-def print_utilisation(results: list[tuple[int, list[dict]]], mbit: float) -> None:
+def print_utilisation(results: list[tuple[int, list[dict]]], mbit: float, q: str) -> None:
     """Link utilisation: bytes each rank wrote / (rate x seconds), and the ideal ring time."""
     rate = mbit * 1e6 / 8  # bytes per second, each direction
     print(f"\nlink utilisation at {mbit:g} Mbit/s (ideal fp32 ring: 2(W-1)/W x 4n bytes / rate)")
     print("| W | elements | ideal fp32 s | fp32 s | fp32 of ideal | fp32 link use | "
-          "uint8 s | uint8 link use | uint8 vs ideal fp32 |")  # fmt: skip
+          f"{q} s | {q} link use | {q} vs ideal fp32 |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for world, rows in results:
         for r in rows:
@@ -202,8 +219,8 @@ def print_utilisation(results: list[tuple[int, list[dict]]], mbit: float) -> Non
             print(
                 f"| {world} | {r['n']:,} | {ideal:.2f} | {r['fp32_s']:.2f} | "
                 f"{ideal / r['fp32_s']:.2f} | {r['fp32_bytes'] / (rate * r['fp32_s']):.2f} | "
-                f"{r['uint8_s']:.2f} | {r['uint8_bytes'] / (rate * r['uint8_s']):.2f} | "
-                f"{ideal / r['uint8_s']:.2f}x faster |"
+                f"{r['q_s']:.2f} | {r['q_bytes'] / (rate * r['q_s']):.2f} | "
+                f"{ideal / r['q_s']:.2f}x faster |"
             )
 
 

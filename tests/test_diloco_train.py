@@ -147,16 +147,24 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
     assert "done: 60/60 steps" in log
 
 
+# The round's end is too far: both leave at once and save the last outer step; with 2-bit
+# error feedback, whose residual (each node's own, of that outer step) must be in that
+# checkpoint too, else the resumed weight hashes differ.
+LEAVE_AT_ONCE_EF = [
+    "--train.stop_within_s", "0", "--ckpt.every", "0", "--diloco.inner_steps", "30",
+    "--diloco.compression", "uint2", "--diloco.error_feedback", "true",
+]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
     "how",
     [
         [],  # the round's end is near: both stop together at the next outer boundary
-        # the round's end is too far: both leave at once and save the last outer step
-        ["--train.stop_within_s", "0", "--ckpt.every", "0", "--diloco.inner_steps", "30"],
+        LEAVE_AT_ONCE_EF,
     ],
-    ids=["at-the-boundary", "leave-at-once"],
+    ids=["at-the-boundary", "leave-at-once-error-feedback"],
 )
 def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children, how):
     def run_pair(runs, stop_after_outer=None):
@@ -178,11 +186,15 @@ def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children, h
     assert run_pair(split, stop_after_outer=1) == [0, 0]
     stopped_at = max(r["step"] for r in read_metrics(split / "debug" / "metrics.jsonl"))
     assert stopped_at < 60, "the run was not stopped early"
-    if how:  # each node left mid-round with the state of the last outer step, its own included
+    if "--train.stop_within_s" in how:  # each node left mid-round with the state of the last
+        # outer step, its own included
         for k in range(2):
             log = (tmp_path / f"split-{k}.log").read_text()
             assert "left the mesh and checkpointed step 30" in log, log[-2000:]
     assert run_pair(split) == [0, 0]
+    if "--diloco.error_feedback" in how:  # a residual was carried, the same in both runs
+        rms = [r["ef_residual_rms"] for r in node_metrics(full / "debug", 0) if "outer_step" in r]
+        assert len(rms) == 2 and min(rms) > 0
 
     for node in range(2):
         a, b = trace(node_metrics(full / "debug", node)), trace(node_metrics(split / "debug", node))

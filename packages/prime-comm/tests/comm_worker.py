@@ -66,6 +66,62 @@ def case_reduce(
     }
 
 
+def case_residual(ctx, n, op="avg", compression="uint2", seed=0, piece_size=1 << 16):
+    """One all_reduce with residual=: the result against op over ranks of (x - residual)
+    (float64), and this rank's residual on the chunks it sent against quantize() of them."""
+    pg, world, rank = ctx.pg, ctx.world, ctx.rank
+    _single_thread()
+    x = make_input("normal", n, seed, rank)
+    sent = x.clone()
+    res = torch.full((n,), float("nan"))  # every element must be written
+    prime_comm.all_reduce(
+        x, group=pg, op=op, compression=compression, timeout=60.0, piece_size=piece_size,
+        residual=res,
+    )  # fmt: skip
+    meant = (sent - res).double()
+    pg.allreduce([meant]).wait()
+    if op == "avg":
+        meant /= world
+    chunk = -(-n // world)
+    others = [j for j in range(world) if j != rank and j * chunk < n]
+    exact_sent = True  # one piece per chunk here: each chunk slice is encoded whole
+    if chunk <= piece_size and compression != "none":
+        bits = prime_comm.allreduce.BITS[compression]
+        for j in others:
+            part = sent[j * chunk : (j + 1) * chunk]
+            lost = part - prime_comm.dequantize(prime_comm.quantize(part, bits=bits))
+            exact_sent &= torch.equal(res[j * chunk : (j + 1) * chunk], lost)
+    scale = meant.abs().max().item() or 1.0
+    return {
+        "digest": hashlib.sha256(x.numpy().tobytes()).hexdigest(),
+        "identity_err": (x.double() - meant).abs().max().item() / scale,
+        "finite": bool(torch.isfinite(res).all()),
+        "zero": bool((res == 0).all()),
+        "exact_sent": bool(exact_sent),
+    }
+
+
+def case_feedback(ctx, n, rounds, compression="uint2", feedback=True, seed=0):
+    """`rounds` all-reduces of fresh inputs, each rank adding its last residual to the next
+    input (or not): the relative L2 error of the summed results against the summed exact
+    averages, and of the last round alone."""
+    pg, world, rank = ctx.pg, ctx.world, ctx.rank
+    _single_thread()
+    res = torch.zeros(n)
+    got_sum, exact_sum = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for t in range(rounds):
+        x = make_input("normal", n, seed + t, rank)
+        exact = x.double()
+        pg.allreduce([exact]).wait()
+        exact /= world
+        if feedback:
+            x += res
+        prime_comm.all_reduce(x, group=pg, compression=compression, timeout=60.0, residual=res)
+        got_sum += x.double()
+        exact_sum += exact
+    return {"sum_err": ((got_sum - exact_sum).norm() / exact_sum.norm()).item()}
+
+
 def case_bad(ctx, bad_rank, kind, n=1000):
     pg = ctx.pg
     _single_thread()
@@ -99,6 +155,12 @@ def case_bad(ctx, bad_rank, kind, n=1000):
             kwargs["timeout"] = -1
         elif kind == "not_tensor":
             arg = x.tolist()
+        elif kind == "residual_length":
+            kwargs["residual"] = torch.zeros(n + 1)
+        elif kind == "residual_dtype":
+            kwargs["residual"] = torch.zeros(n, dtype=torch.float64)
+        elif kind == "residual_alias":
+            kwargs["residual"] = x
         else:
             raise ValueError(kind)
     before = arg.clone() if isinstance(arg, torch.Tensor) and arg.device.type == "cpu" else None

@@ -10,6 +10,13 @@ per rank r of W: the flat tensor is cut into W chunks, chunk j owned by rank j.
 Every input is quantized once and every result once, so the error does not grow with W the
 way a ring that re-quantizes at every hop does. Both phases are pipelined over pieces of the
 chunks (>= 64K elements): quantizing piece k + 1 overlaps the transfer of piece k.
+
+Error feedback (`residual=`): each rank also writes what the codebooks took from it, in the
+units of its input: on the slices it sent, input minus decoded; on the chunk it owns, the
+re-quantization error of the reduced chunk times the divisor (W for "avg"), since that error
+reached every rank's result through this rank alone. With e_k rank k's residual, every rank's
+result is op over k of (x_k - e_k), up to float32 rounding: adding e_k to the next call's
+input gives back what this call lost.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ def all_reduce(
     timeout: float | timedelta | None = None,
     should_abort: Callable[[], bool] | None = None,
     piece_size: int = DEFAULT_PIECE,
+    residual: torch.Tensor | None = None,
 ) -> AllReduceStats:
     """All-reduce a contiguous float32 CPU tensor in place; every rank ends bit-identical.
 
@@ -74,6 +82,11 @@ def all_reduce(
     all_reduce). timeout (seconds or a
     timedelta) bounds the whole call; should_abort is polled at least every 0.25 s. Either
     one ending the call raises CollectiveAborted. piece_size: elements per pipelined piece.
+
+    residual: a float32 CPU tensor of the same length (this rank's own, not shared with
+    `tensor`) that receives this rank's quantization error (module doc): the result equals
+    op over ranks of (input - residual). Zeros where nothing was quantized ("none", W = 1).
+    Unspecified when the call raises.
     """
     start = time.perf_counter()
     pg = _resolve_group(group)
@@ -109,6 +122,8 @@ def all_reduce(
         problem = problem or ValueError(
             f"piece_size must be an int >= {MIN_PIECE}, got {piece_size!r}"
         )
+    if problem is None and residual is not None:
+        problem = _residual_problem(residual, tensor)
     ok = problem is None
     numel = tensor.numel() if ok else -1
     finite = ok and _kernels.all_finite(tensor.data_ptr(), numel)
@@ -118,12 +133,16 @@ def all_reduce(
     sent = received = (world - 1) * _preflight.RECORD_BYTES
 
     flat = tensor.view(-1)
+    res = None if residual is None else residual.view(-1)
+    quantized = world > 1 and numel > 0 and compression != "none"
+    if res is not None and not quantized:
+        res.zero_()
     if world > 1 and numel > 0:
         if compression == "none":
             s, r = _fp32_all_reduce(pg, flat, world, op, waiter)
         else:
             bits = BITS[compression]
-            s, r = _QuantAllReduce(pg, flat, world, rank, op, piece_size, waiter, bits).run()
+            s, r = _QuantAllReduce(pg, flat, world, rank, op, piece_size, waiter, bits, res).run()
         sent, received = sent + s, received + r
     return AllReduceStats(
         sent, received, time.perf_counter() - start, max(numel, 0), world, str(compression)
@@ -144,6 +163,31 @@ def _resolve_group(group: object) -> dist.ProcessGroup:
             f"ProcessGroupGloo) that this rank belongs to, got {type(group).__name__}"
         )
     return group
+
+
+def _residual_problem(residual: object, tensor: torch.Tensor) -> Exception | None:
+    problem = tensor_problem(residual, "residual")
+    if problem is not None:
+        return problem
+    assert isinstance(residual, torch.Tensor)
+    if residual.numel() != tensor.numel():
+        return ValueError(
+            f"residual has {residual.numel()} elements but tensor has {tensor.numel()}; "
+            "pass a float32 buffer of the same length"
+        )
+    if residual.requires_grad:
+        return ValueError("residual requires grad; pass residual.detach()")
+    if residual.numel() and _overlaps(residual, tensor):
+        return ValueError(
+            "residual shares memory with tensor; pass a separate buffer (it receives this "
+            "rank's quantization error while tensor receives the result)"
+        )
+    return None
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel()
 
 
 def _index(options: tuple[str, ...], value: object) -> int:
@@ -176,9 +220,9 @@ def _slot(n: int, bits: int) -> int:
 class _QuantAllReduce:
     """One quantized all-reduce: the chunk/piece geometry and the pipelined schedule."""
 
-    def __init__(self, pg, flat, world, rank, op, piece, waiter, bits) -> None:
+    def __init__(self, pg, flat, world, rank, op, piece, waiter, bits, residual=None) -> None:
         self.pg, self.flat, self.world, self.rank, self.waiter = pg, flat, world, rank, waiter
-        self.bits = bits
+        self.bits, self.residual = bits, residual
         self.divisor = float(world) if op == "avg" else 1.0
         n = flat.numel()
         self.chunk = -(-n // world)
@@ -225,6 +269,8 @@ class _QuantAllReduce:
         # The pre-flight saw finite data: a NaN or Inf now means it changed since.
         if _kernels.quantize_many(jobs, self.bits) >= 0:
             raise RuntimeError("all_reduce: the tensor was modified during the call")
+        if self.residual is not None:  # input - decoded, on the slices sent
+            self._keep_error([(j, r) for j in range(world) if in_splits[j]], jobs, 1.0)
         work = self.waiter.issue(
             lambda: self.pg.alltoall_base(recv, send, out_splits, in_splits),
             f"reduce-scatter piece {r}",
@@ -253,12 +299,27 @@ class _QuantAllReduce:
         job = [(self._ptr(self.rank, r), n, send.data_ptr())]
         if _kernels.quantize_many(job, self.bits) >= 0:
             raise RuntimeError("all_reduce: the tensor was modified during the call")
+        if self.residual is not None and n:  # every rank's result lost this: scale it back
+            self._keep_error([(self.rank, r)], job, self.divisor)
         recv = [torch.empty(size, dtype=torch.uint8) for _ in range(self.world)]
         work = self.waiter.issue(lambda: self.pg.allgather([recv], [send]), f"all-gather piece {r}")
         # gloo's all-gather is a ring: each rank forwards W - 1 slots of this size.
         self.sent += (self.world - 1) * size
         self.received += (self.world - 1) * size
         return work, recv, send
+
+    def _keep_error(self, pieces, jobs, scale: float) -> None:
+        """residual = scale * (values - decode(their encoding)) on each (chunk, piece), decoded
+        from the bytes about to be sent, so it is exactly what the receivers will see."""
+        base = self.residual.data_ptr()
+        decode = [(enc, n, base + (src - self.base)) for src, n, enc in jobs]
+        _kernels.dequantize_many(decode, False, self.bits)
+        for j, r in pieces:
+            a = self.starts[j] + r * self.piece
+            res, x = self.residual[a : a + self._len(j, r)], self.flat[a : a + self._len(j, r)]
+            torch.sub(x, res, out=res)
+            if scale != 1.0:
+                res.mul_(scale)
 
     def _finish_ag(self, r: int, work, recv, send) -> None:
         self.waiter.wait(work, f"all-gather piece {r}")

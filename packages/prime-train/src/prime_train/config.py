@@ -237,6 +237,12 @@ class DilocoConfig(Section):
         description="pseudo-gradient all-reduce: 'uint8', 'uint4' or 'uint2' (8, 4 or 2 bits "
         "per element, blockwise codebooks) or 'none' (float32)",
     )
+    error_feedback: bool = Field(
+        False,
+        description="carry what the compression took from this node's pseudo-gradient (its "
+        "quantization residual) into the next round's; needs compression 'uint8', 'uint4' or "
+        "'uint2'",
+    )
     overlap: Literal["none", "delayed"] = Field(
         "none",
         description="'none': inner steps wait for each outer step; 'delayed': the all-reduce of "
@@ -259,6 +265,15 @@ class DilocoConfig(Section):
     rejoin_wait_s: float = Field(
         300.0, gt=0.0, description="how long such a node waits for the coordinator and members"
     )
+
+    @model_validator(mode="after")
+    def _feedback(self) -> DilocoConfig:
+        if self.error_feedback and self.compression == "none":
+            raise ValueError(
+                "error_feedback = true needs a quantized compression ('uint8', 'uint4' or "
+                "'uint2'): with 'none' nothing is lost to carry"
+            )
+        return self
 
 
 class Config(Section):
@@ -293,6 +308,9 @@ class Config(Section):
             for key in keys:
                 d[section].pop(key, None)
         d.pop("mesh")
+        for section, key in UNSET_BY_DEFAULT:  # off: the hash of the runs made before it
+            if d[section][key] is False:
+                del d[section][key]
         if self.model.init_from is not None:  # the weights, wherever the folder lives
             from prime_train.hf_layout import weights_digest
 
@@ -314,6 +332,10 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "ckpt": ("dir", "shm_dir", "remote", "keep"),
     "diloco": ("max_rejoins", "rejoin_wait_s"),  # a node's own patience, not the math
 }
+
+# settings added after runs existed: part of the hash only when on, so that leaving them off
+# keeps every earlier run's hash (and its checkpoints resumable)
+UNSET_BY_DEFAULT: tuple[tuple[str, str], ...] = (("diloco", "error_feedback"),)
 
 SECTIONS: dict[str, type[Section]] = {
     name: info.annotation  # type: ignore[misc]

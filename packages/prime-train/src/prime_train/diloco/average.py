@@ -45,10 +45,12 @@ def average_pseudo_gradient(
     contributing: bool = True,
     regrouped: bool = False,
     reads: list[int] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
     `outer_steps` is this node's count of applied outer steps; `reads`: this node's uncounted
-    reads per data slot."""
+    reads per data slot; `residual` receives this node's quantization error (error feedback:
+    `diloco/error_feedback.py`)."""
     t = time.monotonic()
     world = mesh.global_world_size
     contributors, late, mismatch, consumed = world, None, False, None
@@ -62,6 +64,7 @@ def average_pseudo_gradient(
             compression=compression,
             timeout=mesh.collective_timeout(),
             should_abort=mesh.should_abort,
+            residual=residual,
         )
     except Exception as e:  # the vote tells every member; all re-form and retry
         mesh.record_collective(time.monotonic() - t, ok=False)

@@ -24,6 +24,11 @@ began. With θ the model (the local replica):
 
 A failed all-reduce votes no: the round is dropped on every node (O unchanged, each replica
 gives back its own contribution) and the next round's sync point re-forms the group.
+
+With error feedback (`diloco/error_feedback.py`) the background thread sends P plus the
+node's residual and, when the vote commits, keeps the round's new residual at once: a
+checkpoint of a committed, unapplied round holds the residual that round left, as the
+uninterrupted run does when it applies it.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class DelayedDiloco(Diloco):
     def enter(self, step: int) -> OuterStepReport | None:
         """A joiner's first round (see the seam): its zero pseudo-gradient's round, settled at
         once. JoinedLate if it was admitted after a later round than the state it loaded."""
+        self.feedback.reset()
         self._start(step, contributing=False)
         return self.finish()
 
@@ -121,7 +127,7 @@ class DelayedDiloco(Diloco):
             regrouped = mesh.maybe_reinit_global_pg()
             faults.hold_outer_round(rnd["step"], self.log)
             got = self.average(regrouped, contributing, reads)
-            committed = mesh.should_commit(got.error is None)
+            committed = self.vote(got)  # a committed round's residual is kept at once
             rnd.update(
                 state="committed" if committed else "dropped",
                 seconds=time.monotonic() - t0,
@@ -192,7 +198,12 @@ class DelayedDiloco(Diloco):
             float(rnd["seconds"]),
             stats,
             int(rnd["contributors"]),
-            extra={"round_step": int(rnd["step"]), "waited_s": waited, **(data or {})},
+            extra={
+                "round_step": int(rnd["step"]),
+                "waited_s": waited,
+                **(data or {}),
+                **self.feedback.metrics(),
+            },
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )
 

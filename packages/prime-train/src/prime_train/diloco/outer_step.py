@@ -9,6 +9,8 @@ Every H inner steps the trainer calls `start(step)` then `finish()`:
    whether its all-reduce succeeded (`should_commit`). Only if all say yes is the outer
    Nesterov step applied; otherwise outer weights and momentum are untouched, the group
    re-forms without the suspect, and the attempt is repeated over the nodes actually present.
+   With `[diloco] error_feedback`, each attempt sends the pseudo-gradient plus this node's
+   quantization residual, kept only from a committed attempt (`diloco/error_feedback.py`).
 3. The report (time, bytes, nodes, epoch, weight hash) goes to the log and the metrics
    (`diloco/round_log.py`).
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
+from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.resume_agreement import agree_resume_step
 from prime_train.diloco.round_log import RoundLog
@@ -80,6 +83,7 @@ class Diloco:
         self.cfg, self.mesh, self.log, self.data = cfg, mesh, log, data
         self.node_group = node_group if node_group and dist.get_world_size(node_group) > 1 else None
         self.optimizer = OuterOptimizer(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        self.feedback = ErrorFeedback(self.optimizer.weights.numel(), cfg.error_feedback)
         self.max_retries = max_retries
         self.rounds = RoundLog(self.optimizer, cfg.compression, self.node_group, metrics, log)
         self.totals = self.rounds.totals
@@ -119,6 +123,7 @@ class Diloco:
         """A joiner's first round, ending at inner step `step` (see the seam): its model is
         the outer weights it loaded, so it brings a zero pseudo-gradient and the average is
         taken over the nodes that contributed. JoinedLate if it cannot use the result."""
+        self.feedback.reset()
         self.start(step)
         return self._complete(contributing=False)
 
@@ -139,15 +144,16 @@ class Diloco:
                 if not contributing:
                     self.optimizer.pseudo_gradient.zero_()
                 got = self.average(self.mesh.maybe_reinit_global_pg(), contributing, reads)
-                if self.mesh.should_commit(got.error is None):
+                if self.vote(got):
                     if got.late is not None:  # the members commit; this node leaves
                         raise JoinedLate(got.late)
                     self.optimizer.apply()
                     extra = self._commit_data(got.consumed, self.mesh.global_members)
                     seconds = time.monotonic() - t0
                     return self.rounds.record(
-                        self.mesh, step, attempt, seconds, got.stats, got.contributors, extra
-                    )
+                        self.mesh, step, attempt, seconds, got.stats, got.contributors,
+                        extra={**(extra or {}), **self.feedback.metrics()},
+                    )  # fmt: skip
                 errors.append(got.error or "a peer failed")
                 self._warn(
                     f"outer step attempt {attempt} not committed ({errors[-1]}); "
@@ -166,6 +172,7 @@ class Diloco:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
         point (`regrouped`: the group changed there); `contributing` is False for a joiner's
         first round; `reads`: the node's uncounted reads per data slot."""
+        residual = self.feedback.prepare(self.optimizer.pseudo_gradient, contributing)
         got = average_pseudo_gradient(
             self.mesh,
             self.optimizer.pseudo_gradient,
@@ -174,6 +181,7 @@ class Diloco:
             contributing=contributing,
             regrouped=regrouped,
             reads=reads,
+            residual=residual,
         )
         if got.mismatch and contributing:
             self._warn("a node entered with another outer step count; it leaves")
@@ -188,16 +196,30 @@ class Diloco:
             return None
         return {"data": self.data.commit(consumed, members)}
 
+    def vote(self, got: Averaged) -> bool:
+        """Ask every member whether this attempt's all-reduce worked (`should_commit`); if all
+        say yes and the average counted this node, its new residual becomes its own."""
+        committed = self.mesh.should_commit(got.error is None)
+        if committed and got.late is None:
+            self.feedback.commit()
+        return committed
+
     # -- checkpoints and resuming -----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint adds for DiLoCo: outer weights, momentum and comm totals."""
-        return {"outer": self.optimizer.state_dict(), "totals": dict(self.totals)}
+        """What a checkpoint adds for DiLoCo: outer weights, momentum and comm totals (and,
+        with error feedback, this node's residual)."""
+        state = {"outer": self.optimizer.state_dict(), "totals": dict(self.totals)}
+        if self.feedback.enabled:
+            state["error_feedback"] = self.feedback.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a loaded `state_dict()` (its tensors may already be the live buffers)."""
         self.optimizer.load_state_dict(state["outer"])
         self.totals.update(state["totals"])
+        if self.feedback.enabled:
+            self.feedback.load_state_dict(state["error_feedback"])
         # where this node is, should the coordinator restart before the next outer step
         self.mesh.note_outer_step(self.rounds.outer_steps, self.rounds.node_digest())
 
