@@ -32,6 +32,9 @@ class ScriptedMesh:
         self.residual_at_vote.append(self.outer_ref[0].feedback.residual.clone())
         return ok and self.votes.pop(0)
 
+    def round_bound(self) -> float:
+        return 60.0
+
     def collective_timeout(self) -> float:
         return 60.0
 
