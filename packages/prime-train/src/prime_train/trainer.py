@@ -125,6 +125,8 @@ def train(
                 log=log,
                 node_group=placement.group,
             )
+        if outer is not None and membership is not None:
+            attach_replay_log(run, outer)
         attach_reporting(cfg, run)
         return train_loop(run, outer)
     finally:
@@ -136,6 +138,26 @@ def train(
         finally:
             lines.detach()
         placement.close()
+
+
+def attach_replay_log(run: Run, outer: OuterStep) -> None:
+    """Give a synchronous DiLoCo step its update log (`diloco/replay_log.py`), whose entries
+    a joiner holds through this node's checkpoint server (whichever registration is live)."""
+    from prime_train.diloco.membership import replay_dir
+    from prime_train.diloco.replay_log import ReplayLog
+
+    keep = run.cfg.diloco.replay_rounds
+    if outer.overlapped or keep <= 0 or not hasattr(outer, "replay_log"):
+        return
+    placement = run.placement
+
+    def held_from() -> str | None:
+        m = placement.membership
+        return m.server.held_from() if m is not None and m.server is not None else None
+
+    outer.replay_log = ReplayLog(  # type: ignore[attr-defined]
+        replay_dir(run.ckpt_dir), placement.rank, keep, held_from if run.primary else None
+    )
 
 
 def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:

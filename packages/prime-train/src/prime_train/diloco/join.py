@@ -1,41 +1,51 @@
 """Joining a running job through live checkpoint recovery, start to finish: register, fetch,
-load, enter. A new node, one restarted after it died, and one rejoining by itself after it lost
-its membership (`diloco/rejoin.py`) all take this path.
+catch up, enter. A new node, one restarted after it died, and one rejoining by itself after it
+lost its membership (`diloco/rejoin.py`) all take this path.
 
 1. Register (`diloco.membership.register`, while the placement is built, before the model:
    the node's index comes from it): a node that finds live members registers *waiting*
    (`Membership.join`): the members never wait for it.
-2. While a node waits, every member checkpoints at each outer boundary (the outer step's
-   `joiners_waiting`, checked by the loop), so a donor's newest checkpoint holds the outer
-   weights and momentum the members start the current round from.
-3. Fetch (`fetch_members_state`, on the node's local rank 0): the joiner notes the donor's
-   newest step when it starts, and waits for a newer one: that one was made at a boundary
-   after it registered, so it is the current round's start. It fetches that checkpoint
-   (`prime_ckpt.fetch_from_peer`: verified, resumable) into its own checkpoint folder, beside
-   its older ones (nothing is removed before it verifies). If the donor made a newer one
-   meanwhile it fetches again.
-4. Load (`load_members_state`): every local rank loads it and the node says `ready()`.
-5. Enter (`enter_running_job`): the members admit it at their next sync point, the end of that
-   round. The joiner takes its first round at once (the outer step's `enter`): its model
-   equals the outer weights it loaded, so its pseudo-gradient is zero; the members average
-   over the nodes that contributed, and all apply the same update to the same outer weights:
-   the same bits everywhere. A joiner admitted a round late (its fetch outlasted a round)
-   leaves with `JoinedLate` instead of diverging.
+2. Every member keeps the committed updates of its last `diloco.replay_rounds` rounds (its
+   update log, `diloco/replay_log.py`) and serves them beside its checkpoints; while a node
+   waits, members also checkpoint at each outer boundary (the outer step's `joiners_waiting`).
+3. Fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
+   newest checkpoint (`prime_ckpt.fetch_from_peer`: verified, resumable, under the donor's
+   serving cap) at its own pace, however many rounds that takes, into its own checkpoint
+   folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
+   (`catch_up.Holder`) so the ones it will need are not pruned.
+4. Load and catch up (`load_members_state`): every local rank loads the checkpoint, then
+   replays the members' committed updates since it (`catch_up`), each checked against the
+   members' outer weights' hash, until the donors offer no newer one; then it says `ready()`.
+   A log that no longer reaches the checkpoint, or a hash that differs, takes a newer
+   checkpoint (a second mismatch exits with a line naming it).
+5. Enter (`enter_running_job`): the members admit it at their next sync point. The joiner takes
+   its first round at once (the outer step's `enter`): its model equals the outer weights it
+   reached, so its pseudo-gradient is zero; the members average over the nodes that
+   contributed, and all apply the same update to the same outer weights: the same bits
+   everywhere. A joiner admitted a round late (the members committed once more between its
+   last replay and its admission) does not use that round: it leaves, registers again,
+   replays the rounds since and asks again (`JoinedLate` only after `MAX_LATE` such tries).
+   With `overlap = "delayed"` steps 2-4 are today's older ones: the joiner waits for a
+   checkpoint made after it registered and leaves with `JoinedLate` if admitted late.
 
 What happened is one typed record, `JoinRecord`, logged and written as the entry's metrics row.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from prime_ckpt import PeerError, ask_donors, fetch_from_peer, resolve_token, step_dirname
+from prime_train.diloco.catch_up import Holder, fetch_entries, read_entry
 from prime_train.diloco.membership import Membership
+from prime_train.diloco.outer_step import JoinedLate
 from prime_train.metrics import Log
 from prime_train.rundir import RunDirError
 from prime_train.seam import ElasticOuterStep
@@ -43,8 +53,9 @@ from prime_train.seam import ElasticOuterStep
 if TYPE_CHECKING:
     from prime_train.run import Run
 
-JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's fresh checkpoint
+JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's (fresh) checkpoint
 POLL_S = 0.2
+MAX_LATE = 10  # admissions a round too late (then catching up again) before giving up
 
 
 class JoinFailed(RunDirError):
@@ -53,14 +64,27 @@ class JoinFailed(RunDirError):
 
 @dataclass
 class JoinRecord:
-    """What a joiner fetched and loaded: the members' checkpoint of inner step `step`."""
+    """What a joiner fetched and loaded: the members' checkpoint of inner step
+    `snapshot_step`, then the updates it replayed up to inner step `step`."""
 
     step: int
     donor: str | None
     bytes: int
-    seconds: float  # fetching
+    seconds: float  # fetching the snapshot
     load_seconds: float = 0.0
     rejoined: int | None = None  # the how-manieth rejoin by itself (None: a fresh join)
+    snapshot_step: int = 0
+    started: float = field(default_factory=time.monotonic)  # when the join began
+    replayed: int = 0  # outer steps replayed from the members' update logs
+    replay_bytes: int = 0
+    replay_seconds: float = 0.0  # fetching and applying them
+    replay_donors: list[str] = field(default_factory=list)
+    snapshots: int = 1  # snapshots fetched (a newer one when the log no longer reached one)
+    late: int = 0  # admissions a round late, each followed by catching up again
+    shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
+
+
+LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
 
 
 def _newest(urls: list[str], token: str | None) -> int | None:
@@ -82,17 +106,31 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def fetch_members_state(membership: Membership, ckpt_dir: Path, log: Log) -> JoinRecord:
-    """Step 3 of the module doc, on the node's local rank 0: what was fetched."""
+def replaying(outer: ElasticOuterStep) -> bool:
+    """Whether this joiner catches up by replaying the members' update logs (a synchronous
+    outer step; an overlapped one still waits for a fresh checkpoint)."""
+    return not outer.overlapped and callable(getattr(outer, "replay", None))
+
+
+def fetch_members_state(
+    membership: Membership,
+    ckpt_dir: Path,
+    log: Log,
+    newer_than: int | None = None,
+    fresh: bool = True,
+) -> JoinRecord:
+    """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
+    than `newer_than` if given, or with `fresh` newer than the newest one offered when it
+    started asking (made at a boundary after this node registered), then fetch it."""
     token = membership.token
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    baseline: int | None = None
-    baseline_known = False
+    baseline, baseline_known = newer_than, not fresh
+    seen = False  # whether it saw members at all (they may leave before it fetches)
     while True:
         donors = membership.donors()
         if donors:
-            urls = [u for _, u in donors]
-            newest = _newest(urls, token)
+            seen = True
+            newest = _newest([u for _, u in donors], token)
             if not baseline_known:
                 baseline, baseline_known = newest, True
                 log.info(
@@ -101,22 +139,23 @@ def fetch_members_state(membership: Membership, ckpt_dir: Path, log: Log) -> Joi
                 )
             elif newest is not None and (baseline is None or newest > baseline):
                 break
-        if baseline_known and not donors:
+        elif seen:
             raise JoinFailed(
                 "the running job's members left (finished or died) before this node could "
                 "fetch their state; rerun the same command to resume with the others"
             )
         if time.monotonic() > deadline:
             raise JoinFailed(
-                f"no member offered a fresh checkpoint within {JOIN_TIMEOUT_S:.0f} s "
-                f"(members: {[n for n, _ in donors] or 'none'}); check that the members run and "
-                "that their checkpoint servers are reachable from this machine"
+                f"no member offered a{' fresh' if fresh else ''} checkpoint within "
+                f"{JOIN_TIMEOUT_S:.0f} s (members: {[n for n, _ in donors] or 'none'}); check "
+                "that the members run and that their checkpoint servers are reachable from "
+                "this machine"
             )
         time.sleep(POLL_S)
 
     t0 = time.monotonic()
     step, donor, errors = None, None, []
-    for _ in range(3):  # the donor made a newer checkpoint meanwhile: fetch that one
+    for _ in range(3 if fresh else 1):  # the donor made a newer checkpoint meanwhile: that one
         for node_id, url in _newest_first(membership.donors(), token):
             try:
                 step = fetch_from_peer([url], ckpt_dir, token=token)
@@ -131,58 +170,225 @@ def fetch_members_state(membership: Membership, ckpt_dir: Path, log: Log) -> Joi
             break
     seconds = time.monotonic() - t0
     size = _folder_bytes(ckpt_dir / step_dirname(step))
-    return JoinRecord(step=step, donor=donor, bytes=size, seconds=seconds)
+    return JoinRecord(
+        step=step, donor=donor, bytes=size, seconds=seconds, snapshot_step=step, started=t0
+    )
+
+
+def _on_primary(run: Run, fn):
+    """`fn()` on the node's local rank 0, its result on every local rank."""
+    got = [fn() if run.primary else None]
+    if run.placement.world_size > 1:
+        dist.broadcast_object_list(got, src=0, group=run.placement.group)
+    return got[0]
+
+
+def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
+    t = time.monotonic()
+    run.load(record.snapshot_step, outer)
+    record.step = record.snapshot_step
+    record.load_seconds += time.monotonic() - t
+
+
+def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: str) -> None:
+    """Fetch and load a checkpoint newer than the record's snapshot (on every local rank)."""
+    run.log.warn(f"{why}: fetching a newer checkpoint")
+    membership = run.placement.membership
+    assert membership is not None
+    got = _on_primary(
+        run,
+        lambda: fetch_members_state(
+            membership, run.ckpt_dir, run.log, newer_than=record.snapshot_step, fresh=False
+        ),
+    )
+    record.snapshot_step, record.donor = got.snapshot_step, got.donor
+    record.bytes += got.bytes
+    record.seconds += got.seconds
+    record.snapshots += 1
+    _load(run, outer, record)
+
+
+def catch_up(
+    run: Run,
+    outer: ElasticOuterStep,
+    record: JoinRecord,
+    holder: Holder | None,
+    need: int | None = None,
+) -> None:
+    """Replay the members' committed updates since the loaded state, until the donors offer
+    no newer one (and at least up to outer step `need`): see `diloco/catch_up.py`. A log that
+    no longer reaches the state, or a replay whose hash differs, takes a newer checkpoint;
+    a second mismatch is JoinFailed naming it."""
+    membership = run.placement.membership
+    assert membership is not None
+    ranks, rank = run.placement.world_size, run.placement.rank
+    folder = run.ckpt_dir / "replay-in"
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    mismatches, waited_since = 0, None
+    while True:
+        after = outer.outer_steps  # type: ignore[attr-defined]
+        if holder is not None:
+            holder.first = after + 1
+        t0 = time.monotonic()
+        got = _on_primary(run, lambda a=after: fetch_entries(membership, a, ranks, folder))
+        if time.monotonic() > deadline:
+            raise JoinFailed(
+                f"could not catch up with the members within {JOIN_TIMEOUT_S:.0f} s (at outer "
+                f"step {after}); check this machine's link to them, then rerun the same command"
+            )
+        if got.stale:
+            _newer_snapshot(run, outer, record, f"the members' update logs no longer reach "
+                            f"outer step {after + 1}")  # fmt: skip
+            continue
+        if not got.outer_steps:
+            if need is None or after >= need:
+                break
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() - waited_since > 30.0:  # the members keep no log (K = 0)
+                _newer_snapshot(run, outer, record, f"no update after outer step {after} came")
+                waited_since = None
+            time.sleep(1.0)
+            continue
+        problem, last = None, None
+        for o in got.outer_steps:
+            entry = read_entry(folder, o, rank)
+            problem = outer.replay(entry)  # type: ignore[attr-defined]
+            if problem is not None:
+                break
+            last = entry
+        problems = [problem]
+        if ranks > 1:
+            problems = [None] * ranks
+            dist.all_gather_object(problems, problem, group=run.placement.group)
+        problem = next((p for p in problems if p), None)
+        if run.primary:
+            shutil.rmtree(folder, ignore_errors=True)
+        if problem is not None:
+            mismatches += 1
+            if mismatches > 1:
+                raise JoinFailed(
+                    f"replaying the members' committed updates does not reproduce their outer "
+                    f"weights ({problem}); this node cannot join them: run it with the same "
+                    "torch build and CPU kind as the members"
+                )
+            _newer_snapshot(run, outer, record, f"replay mismatch: {problem}")
+            continue
+        assert last is not None
+        outer.replayed(last.outer_sha256)  # type: ignore[attr-defined]
+        record.replayed += len(got.outer_steps)
+        record.replay_bytes += got.bytes
+        record.replay_seconds += time.monotonic() - t0
+        record.replay_donors = sorted(set(record.replay_donors) | got.donors)
+        record.step, record.shared = last.step, last.shared
+        outer.restore_shared(last.shared)  # type: ignore[attr-defined]
 
 
 def load_members_state(
     run: Run, outer: ElasticOuterStep, rejoined: int | None = None
 ) -> JoinRecord:
-    """Steps 3 and 4: fetch a member's fresh checkpoint into this node's folder and load it
-    (every local rank), then say `ready()`. `rejoined`: the count, for a rejoin by itself."""
+    """Steps 3 and 4: fetch a member's checkpoint into this node's folder, load it (every
+    local rank), replay the committed updates since, then say `ready()`. `rejoined`: the
+    count, for a rejoin by itself."""
     membership = run.placement.membership
     assert membership is not None and membership.joining
-    got: list[JoinRecord | None] = [None]
-    if run.primary:
-        got[0] = fetch_members_state(membership, run.ckpt_dir, run.log)
-    if run.placement.world_size > 1:
-        dist.broadcast_object_list(got, src=0, group=run.placement.group)
-    record = got[0]
-    assert record is not None
-    record.rejoined = rejoined
-    t = time.monotonic()
-    run.load(record.step, outer)
-    record.load_seconds = time.monotonic() - t
+    replay = replaying(outer)
+    holder = Holder(membership) if replay and run.primary else None
+    with holder or contextlib.nullcontext():
+        record: JoinRecord = _on_primary(
+            run, lambda: fetch_members_state(membership, run.ckpt_dir, run.log, fresh=not replay)
+        )
+        record.rejoined = rejoined
+        _load(run, outer, record)
+        if replay:
+            catch_up(run, outer, record, holder)
+    run.progress["step"] = record.step
     membership.mesh.ready()
     mbps = record.bytes / 1e6 / record.seconds if record.seconds else float("inf")
     run.log.info(
-        f"fetched the step-{record.step} checkpoint from {record.donor}: "
+        f"fetched the step-{record.snapshot_step} checkpoint from {record.donor}: "
         f"{record.bytes / 1e6:.2f} MB in {record.seconds:.2f} s ({mbps:.1f} MB/s), "
-        f"loaded in {record.load_seconds:.2f} s; ready, admitted at the members' next "
-        "outer step"
+        f"loaded in {record.load_seconds:.2f} s"
+        + (
+            f"; replayed {record.replayed} committed update(s) to step {record.step} "
+            f"({record.replay_bytes / 1e6:.2f} MB from {record.replay_donors}) in "
+            f"{record.replay_seconds:.2f} s"
+            if replay
+            else ""
+        )
+        + "; ready, admitted at the members' next outer step"
     )
     return record
 
 
+def _catch_up_again(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, late: JoinedLate
+) -> None:
+    """Admitted a round late: leave, register again (waiting), replay the rounds since, and
+    say ready again. The members committed without waiting; this node's state is unchanged."""
+    from prime_train.diloco.rejoin import register_again  # rejoin builds on this module
+
+    membership = run.placement.membership
+    assert membership is not None
+    membership.close()
+    membership = register_again(run, late)
+    run.placement.membership = membership
+    outer.reattach(membership.mesh)
+    holder = Holder(membership) if run.primary else None
+    with holder or contextlib.nullcontext():
+        catch_up(run, outer, record, holder, need=outer.outer_steps + 1)  # type: ignore[attr-defined]
+    run.progress["step"] = record.step
+    membership.mesh.ready()
+
+
 def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> int:
     """Step 5: the joiner's first round, ending where the members' round that started from
-    the loaded checkpoint ends; returns the step it continues from."""
-    step = min(outer.round_end(record.step), run.cfg.train.steps)
-    report = outer.enter(step)
+    the state it reached ends; returns the step it continues from. Admitted a round late
+    (the members committed one more meanwhile), it catches up again and asks again."""
+    while True:
+        step = min(outer.round_end(record.step), run.cfg.train.steps)
+        try:
+            report = outer.enter(step)
+            break
+        except JoinedLate as e:
+            record.late += 1
+            if not replaying(outer) or record.late > MAX_LATE:
+                raise
+            run.log.warn(
+                f"admitted a round late ({e}); leaving, replaying the rounds since and asking "
+                f"again ({record.late} of at most {MAX_LATE})"
+            )
+            _catch_up_again(run, outer, record, e)
+            if record.step >= run.cfg.train.steps:  # the run completed meanwhile
+                run.log.info("the run completed while this node caught up; nothing to enter")
+                return record.step
+    admitted = time.monotonic() - record.started
+    startup = record.started - LOADED_AT
     run.log.info(
         ("re" if record.rejoined else "")
         + f"entered the running job at outer step {report.outer_step if report else '?'} "
         f"(step {step}), donor {record.donor}: {record.bytes / 1e6:.2f} MB "
-        f"fetched in {record.seconds:.2f} s"
+        f"fetched in {record.seconds:.2f} s; timeline: start-up {startup:.1f} s, snapshot "
+        f"{record.seconds:.1f} s, load {record.load_seconds:.1f} s, replay {record.replayed} "
+        f"round(s) in {record.replay_seconds:.1f} s, admitted {admitted:.1f} s after the "
+        f"join began ({record.late} late admission(s))"
     )
     run.metrics.write(
         {
             "step": step,
             "joined": True,
             "donor": record.donor,
-            "fetched_step": record.step,
+            "fetched_step": record.snapshot_step,
             "fetch_bytes": record.bytes,
             "fetch_seconds": record.seconds,
             "load_seconds": record.load_seconds,
+            "startup_seconds": startup,
+            "snapshots": record.snapshots,
+            "replayed": record.replayed,
+            "replay_bytes": record.replay_bytes,
+            "replay_seconds": record.replay_seconds,
+            "replay_donors": record.replay_donors,
+            "late_admissions": record.late,
+            "admitted_seconds": admitted,
             **({"rejoined": record.rejoined} if record.rejoined else {}),
         }
     )

@@ -67,7 +67,8 @@ class Membership:
         if live_members is None:
             live_members = count_live_members(cfg.mesh.coordinator, token)
         port = serve_port(cfg, launcher_index)
-        server = _serve_checkpoints(ckpt_dir, host, port, token, warn) if serve else None
+        rate = cfg.mesh.serve_mbit * 1e6 / 8 or None  # bytes/s; 0: no cap
+        server = _serve_checkpoints(ckpt_dir, host, port, token, warn, rate) if serve else None
         try:
             mesh = ElasticDeviceMesh(
                 cfg.mesh.coordinator,
@@ -171,12 +172,27 @@ def serve_port(cfg: Config, launcher_index: int | None) -> int:
     return port
 
 
-def _serve_checkpoints(ckpt_dir: Path, host: str, port: int, token: str | None, warn):
+def replay_dir(ckpt_dir: Path) -> Path:
+    """Where a node keeps the update log it serves (`diloco/replay_log.py`)."""
+    return ckpt_dir / "replay"
+
+
+def _serve_checkpoints(
+    ckpt_dir: Path, host: str, port: int, token: str | None, warn, rate: float | None
+):
+    """The checkpoints and the update log, served to joiners at most at `rate` bytes/s."""
     from prime_ckpt import serve_directory
 
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        return serve_directory(ckpt_dir, host=host, port=port, token=token)
+        return serve_directory(
+            ckpt_dir,
+            host=host,
+            port=port,
+            token=token,
+            max_bytes_per_s=rate,
+            files_dir=replay_dir(ckpt_dir),
+        )
     except (OSError, ValueError) as e:  # training goes on; joiners use another peer
         warn(f"cannot serve checkpoints to joining peers: {e}")
         return None

@@ -25,6 +25,7 @@ next inner steps compute. Where to resume is agreed through it too
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.outer_optimizer import OuterOptimizer
+from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
 from prime_train.diloco.round_log import RoundLog
 from prime_train.metrics import Log, Metrics
@@ -81,6 +83,11 @@ class Diloco:
         self.rounds = RoundLog(self.optimizer, cfg.compression, self.node_group, metrics, log)
         self.totals = self.rounds.totals
         self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
+        # the update log a joiner replays (`diloco/replay_log.py`; set by the trainer), and
+        # what all members share after a round besides the outer state (empty for now)
+        self.replay_log: ReplayLog | None = None
+        self.shared_state: Callable[[], dict[str, Any]] = dict
+        self.restore_shared: Callable[[dict[str, Any]], None] = lambda shared: None
         if mesh.state == "member":  # a joiner is not admitted before its first step
             self.rounds.last_epoch = mesh.epoch
             self.rounds.nodes_now = mesh.global_world_size
@@ -134,9 +141,11 @@ class Diloco:
                         raise JoinedLate(got.late)
                     self.optimizer.apply()
                     seconds = time.monotonic() - t0
-                    return self.rounds.record(
+                    report = self.rounds.record(
                         self.mesh, step, attempt, seconds, got.stats, got.contributors
                     )
+                    self.log_update(report)
+                    return report
                 errors.append(got.error or "a peer failed")
                 self._warn(
                     f"outer step attempt {attempt} not committed ({errors[-1]}); "
@@ -164,6 +173,61 @@ class Diloco:
         if got.mismatch and contributing:
             self._warn("a node entered with another outer step count; it leaves")
         return got
+
+    # -- the update log and replaying it --------------------------------------------------
+
+    @property
+    def local_rank(self) -> int:
+        return dist.get_rank(self.node_group) if self.node_group is not None else 0
+
+    def log_update(self, report: OuterStepReport) -> None:
+        """Append the update just applied (the pseudo-gradient buffer) to the update log."""
+        if self.replay_log is None:
+            return
+        rank = self.local_rank
+        self.replay_log.append(
+            Entry(
+                outer_step=report.outer_step,
+                step=report.step,
+                rank=rank,
+                outer_sha256=report.outer_sha256,
+                shard_sha256=self.rounds.last_shards[rank],
+                update=self.optimizer.pseudo_gradient,
+                shared=self.shared_state(),
+            )
+        )
+
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps applied so far in the run (as loaded, replayed or taken)."""
+        return self.rounds.outer_steps
+
+    def replay(self, entry: Entry) -> str | None:
+        """Apply a logged update (the next outer step) to the outer weights, momentum and the
+        model, as the members did; None if this rank's shard then has the members' hash, else
+        what differs (the state is then unusable: load another checkpoint)."""
+        opt = self.optimizer
+        if entry.outer_step != self.outer_steps + 1:
+            return f"entry of outer step {entry.outer_step} after outer step {self.outer_steps}"
+        if entry.update.numel() != opt.pseudo_gradient.numel():
+            return (
+                f"entry of outer step {entry.outer_step} has {entry.update.numel()} elements, "
+                f"this shard {opt.pseudo_gradient.numel()}"
+            )
+        opt.pseudo_gradient.copy_(entry.update)
+        opt.apply()
+        self.totals["outer_steps"] += 1
+        mine = opt.digest()
+        if mine != entry.shard_sha256:
+            return (
+                f"outer step {entry.outer_step} replayed to hash {mine[:16]}, the members' is "
+                f"{entry.shard_sha256[:16]} (another torch build or CPU?)"
+            )
+        return None
+
+    def replayed(self, outer_sha256: str) -> None:
+        """After a replay: tell the mesh where this node now is."""
+        self.mesh.note_outer_step(self.outer_steps, outer_sha256)
 
     # -- checkpoints and resuming -----------------------------------------------------------
 
@@ -212,7 +276,10 @@ class Diloco:
         self.rounds.forget_round()
 
     def close(self) -> None:
-        """Nothing runs in the background of a synchronous outer step."""
+        """Wait for the update log's last write (nothing else runs in the background of a
+        synchronous outer step)."""
+        if self.replay_log is not None:
+            self.replay_log.close()
 
     def summary(self) -> dict[str, Any]:
         """Totals and settings for the run's summary."""
