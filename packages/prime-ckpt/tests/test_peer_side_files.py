@@ -28,6 +28,9 @@ def test_side_files_are_listed_fetched_held_and_authenticated(tmp_path):
         assert server.held_from() is None
         list_side_files(server.url, TOKEN, hold="e0001.bin")
         assert server.held_from() == "e0001.bin"
+        list_side_files(server.url, TOKEN, release="e0001.bin")
+        assert server.held_from() is None
+        list_side_files(server.url, TOKEN, hold="e0002.bin")
         for name, data in blobs.items():
             assert fetch_side_file(server.url, name, TOKEN) == data
         (log / "e0000.bin").unlink()  # pruned: a clear PeerError, not garbage

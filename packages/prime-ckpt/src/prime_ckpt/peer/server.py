@@ -142,7 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "file":
             path, size = files.resolve(unquote(arg or ""))
             return self._send_file(peer, path, size)
-        if arg:
+        if kind == "release" and arg:
+            files.release(arg)
+        elif arg:
             try:
                 files.hold(arg)
             except ValueError as e:

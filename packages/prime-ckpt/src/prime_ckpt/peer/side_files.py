@@ -3,11 +3,12 @@ training job's log of committed updates, say), listed and downloaded by name.
 
 Donor: `serve_directory(..., files_dir=DIR)` adds two routes (authenticated like the others,
 and under the same upload cap):
-- `/v1/files[?hold=NAME]`: signed msgpack `{"files": {name: size}}` of the plain files in DIR
+- `/v1/files[?hold=NAME|?release=NAME]`: signed msgpack `{"files": {name: size}}` of the plain files in DIR
   (names of letters, digits, `.`, `-`, `_`, not starting with `.`: a file being written under a
   hidden name and renamed is never listed half-written). `hold=NAME` asks the donor to keep
   NAME and every file sorting after it for `lease_s` seconds (renewed by asking again):
-  `PeerServer.held_from()` tells the donor's own pruning where to stop.
+  `PeerServer.held_from()` tells the donor's own pruning where to stop; `release=NAME` drops
+  that hold when the fetcher is done.
 - `/v1/files/<name>`: the file's bytes (Range supported). A file pruned meanwhile is a 410.
 
 Fetcher: `list_side_files(url, token, timeout, hold=None)` and `fetch_side_file(url, name,
@@ -66,6 +67,12 @@ class SideFiles:
         with self._lock:
             self._holds[name] = time.monotonic() + self.lease_s
 
+    def release(self, name: str) -> None:
+        """Drop the hold on `name` (the fetcher is done; another renews its own within its
+        renewal interval)."""
+        with self._lock:
+            self._holds.pop(name, None)
+
     def held_from(self) -> str | None:
         """The first name any live hold keeps (None: nothing is held)."""
         now = time.monotonic()
@@ -88,23 +95,35 @@ class SideFiles:
 
 
 def route(path: str) -> tuple[str, str | None] | None:
-    """("list", hold) or ("file", name) for a side-file request path; None for another route."""
+    """("list", hold), ("release", name) or ("file", name) for a side-file request path;
+    None for another route."""
     parts = urlsplit(path)
     if parts.path == "/v1/files":
-        hold = parse_qs(parts.query).get("hold", [None])[0]
-        return "list", hold
+        query = parse_qs(parts.query)
+        if "release" in query:
+            return "release", query["release"][0]
+        return "list", query.get("hold", [None])[0]
     if parts.path.startswith("/v1/files/"):
         return "file", parts.path[len("/v1/files/") :]
     return None
 
 
 def list_side_files(
-    url: str, token: str | bytes | None = None, timeout: float = 20.0, hold: str | None = None
+    url: str,
+    token: str | bytes | None = None,
+    timeout: float = 20.0,
+    hold: str | None = None,
+    release: str | None = None,
 ) -> dict[str, int]:
     """{name: size} of the side files the donor at `url` offers (signed answer); `hold`: ask
-    it to keep that name and the ones after it (see module doc). PeerError when it cannot."""
+    it to keep that name and the ones after it (see module doc), `release`: to drop such a
+    hold. PeerError when it cannot."""
     conn = Connection(normalize_url(url), resolve_token(token), timeout)
-    path = "/v1/files" + (f"?hold={quote(hold)}" if hold else "")
+    path = "/v1/files"
+    if release:
+        path += f"?release={quote(release)}"
+    elif hold:
+        path += f"?hold={quote(hold)}"
     try:
         resp, nonce = conn._get(path)
         body = resp.read()

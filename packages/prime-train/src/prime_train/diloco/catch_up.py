@@ -32,8 +32,11 @@ class Holder:
     """Keeps the donors' log entries from outer step `.first` on while it runs (module doc)."""
 
     def __init__(self, membership: Membership, first: int = 0):
+        """`first`: the outer step from which on entries are held (0: all the donors have)."""
         self.membership, self.first = membership, first
         self._stop = threading.Event()
+        self._held: set[tuple[str, str]] = set()  # (url, name) holds asked for
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="prime-join-hold", daemon=True)
 
     def __enter__(self) -> Holder:
@@ -43,14 +46,31 @@ class Holder:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(TIMEOUT_S + 5)
+        for url, name in self._held:  # done: the donors may prune again (else a lease later)
+            try:
+                list_side_files(url, self.membership.token, 5.0, release=name)
+            except PeerError:
+                pass
 
     def renew(self) -> None:
         """Ask every donor now (failures are the next renewal's)."""
+        with self._lock:
+            self._renew()
+
+    def _renew(self) -> None:
         for _, url in self._donors():
+            name = self.name
             try:
-                list_side_files(url, self.membership.token, TIMEOUT_S, hold=self.name)
+                list_side_files(url, self.membership.token, TIMEOUT_S, hold=name)
             except PeerError:
-                pass
+                continue
+            for old in [h for h in self._held if h[0] == url and h[1] != name]:
+                try:  # the hold moved on: drop the older one
+                    list_side_files(url, self.membership.token, TIMEOUT_S, release=old[1])
+                    self._held.discard(old)
+                except PeerError:
+                    pass
+            self._held.add((url, name))
 
     @property
     def name(self) -> str:
@@ -90,7 +110,7 @@ def fetch_entries(
     offers: dict[int, list[tuple[str, str]]] = {}  # outer step -> donors with every rank's
     for node_id, url in membership.donors():
         try:
-            names = list_side_files(url, token, TIMEOUT_S, hold=entry_name(after + 1, 0))
+            names = list_side_files(url, token, TIMEOUT_S)
         except PeerError:
             continue
         have: dict[int, set[int]] = {}
