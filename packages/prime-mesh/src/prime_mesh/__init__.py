@@ -20,6 +20,7 @@ _EXPORTS = {
     "MeshEvicted": "prime_mesh.errors",
     "MeshNameTaken": "prime_mesh.errors",
     "MeshRefused": "prime_mesh.errors",
+    "RunCompleted": "prime_mesh.errors",
     "node_host": "prime_mesh.address",
     "query_status": "prime_mesh.status",
 }
@@ -35,6 +36,7 @@ __all__ = [
     "MeshEvicted",
     "MeshNameTaken",
     "MeshRefused",
+    "RunCompleted",
     "node_host",
     "query_status",
 ]
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
         MeshEvicted,
         MeshNameTaken,
         MeshRefused,
+        RunCompleted,
     )
     from prime_mesh.mesh import ElasticDeviceMesh
     from prime_mesh.status import query_status
