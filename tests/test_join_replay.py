@@ -50,7 +50,10 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
         wait_until(lambda: 2 in outer_by_step(folder_metrics(n0)) or nodes[0].poll() is not None,
                    240, what="the members' second outer step")  # fmt: skip
         assert nodes[0].poll() is None, log_tails(tmp_path)
-        joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache, **NODE)
+        # it says ready() 8 s late the first time: the members commit meanwhile, it is admitted
+        # late, leaves, replays the rounds since and asks again
+        joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
+                                env={"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}, **NODE)  # fmt: skip
         codes = [p.wait(timeout=400) for p in (*nodes, joiner)]
     finally:
         coord.close()
@@ -61,10 +64,40 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
     # the premise: the members committed at least three rounds while the checkpoint came
     assert row["replayed"] >= 3, row
     assert row["fetch_bytes"] > 0 and row["replay_bytes"] > 0 and row["replay_donors"], row
+    assert row["late_admissions"] >= 1, row  # and it did not exit for it
     first = first_outer_matches(tmp_path, n2, [n0, n1])
     outer0 = outer_by_step(folder_metrics(n0))
     assert outer0[first]["nodes"] == 3 and outer0[first]["contributors"] == 2, outer0[first]
     assert outer0[max(outer0)]["contributors"] == 3
     log = (tmp_path / "node2.log").read_text()
     assert "replayed" in log and "entered the running job" in log and "timeline" in log
-    assert "Rerun the same command" not in log
+    assert "admitted a round late" in log and "Rerun the same command" not in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_nodes_arriving_as_the_run_ends_or_after_it_stop_with_exit_0(
+    tmp_path, token_cache, children
+):
+    """A joiner still fetching when the members finish stops with a line saying so, and a node
+    started after the run completed is told so by the coordinator: both exit 0."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=1).start()
+    short = {**NODE, "steps": 60, "args": ["--mesh.serve_mbit", "0.5"]}  # ~2 min to fetch
+    try:
+        n0, late, after = tmp_path / "node0", tmp_path / "late", tmp_path / "after"
+        member = start_cli_node(children, n0, coordinator=coord.address, cache=token_cache,
+                                **short)  # fmt: skip
+        wait_until(lambda: 1 in outer_by_step(folder_metrics(n0)) or member.poll() is not None,
+                   240, what="the member's first outer step")  # fmt: skip
+        joiner = start_cli_node(children, late, coordinator=coord.address, cache=token_cache,
+                                **short)  # fmt: skip
+        codes = [member.wait(timeout=200), joiner.wait(timeout=120)]
+        again = start_cli_node(children, after, coordinator=coord.address, cache=token_cache,
+                               **short)  # fmt: skip
+        codes.append(again.wait(timeout=120))
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    assert "the run completed while this node waited to join" in (tmp_path / "late.log").read_text()
+    assert "the run is complete" in (tmp_path / "after.log").read_text()
+    assert not [r for r in folder_metrics(late) if "outer_step" in r]

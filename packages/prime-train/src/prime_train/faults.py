@@ -7,6 +7,7 @@ environment itself.
 | variable | effect |
 | --- | --- |
 | `PRIME_TRAIN_FAULT_HOLD_ROUND_S` | with `overlap = "delayed"`, every background outer round waits this many seconds between its sync point and its all-reduce, so that a test can kill or stop a node while a round is in flight |
+| `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def _seconds(name: str) -> float:
 
 
 HOLD_ROUND_S = _seconds(HOLD_ROUND_ENV)  # read once, when the trainer starts
+JOIN_READY_DELAY_ENV = "PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S"
+_join_ready_delay = [_seconds(JOIN_READY_DELAY_ENV)]  # used up by the first join
 
 
 def hold_outer_round(step: int, log: Log | None) -> None:
@@ -32,3 +35,13 @@ def hold_outer_round(step: int, log: Log | None) -> None:
         if log is not None:
             log.info(f"holding the outer round of step {step} for {HOLD_ROUND_S:g} s")
         time.sleep(HOLD_ROUND_S)
+
+
+def delay_first_ready(log: Log | None) -> None:
+    """`PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S`: the first join of this process says `ready()`
+    that much later (it is then admitted a round late)."""
+    delay, _join_ready_delay[0] = _join_ready_delay[0], 0.0
+    if delay:
+        if log is not None:
+            log.info(f"holding ready() for {delay:g} s")
+        time.sleep(delay)

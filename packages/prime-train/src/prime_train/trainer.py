@@ -236,6 +236,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 )
                 break
     run.ckpt.wait()
+    if step >= total and run.placement.membership is not None:
+        run.placement.membership.completed = True  # said when it leaves: later nodes are told
     end = LoopEnd(
         step=step,
         start=start,

@@ -29,6 +29,7 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    checkpoint made after it registered and leaves with `JoinedLate` if admitted late.
 
 What happened is one typed record, `JoinRecord`, logged and written as the entry's metrics row.
+The snapshot's fetch is `diloco/snapshot.py`; fetching and holding log entries, `catch_up.py`.
 """
 
 from __future__ import annotations
@@ -36,143 +37,33 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from prime_ckpt import PeerError, ask_donors, fetch_from_peer, resolve_token, step_dirname
+from prime_train import faults
 from prime_train.diloco.catch_up import Holder, fetch_entries, read_entry
-from prime_train.diloco.membership import Membership
 from prime_train.diloco.outer_step import JoinedLate
-from prime_train.metrics import Log
-from prime_train.rundir import RunDirError
+from prime_train.diloco.snapshot import (
+    JOIN_TIMEOUT_S,
+    JoinFailed,
+    JoinRecord,
+    fetch_members_state,
+    members_left,
+)
 from prime_train.seam import ElasticOuterStep
 
 if TYPE_CHECKING:
     from prime_train.run import Run
 
-JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's (fresh) checkpoint
-POLL_S = 0.2
 MAX_LATE = 10  # admissions a round too late (then catching up again) before giving up
-
-
-class JoinFailed(RunDirError):
-    """No member could give this node the run's state in time."""
-
-
-@dataclass
-class JoinRecord:
-    """What a joiner fetched and loaded: the members' checkpoint of inner step
-    `snapshot_step`, then the updates it replayed up to inner step `step`."""
-
-    step: int
-    donor: str | None
-    bytes: int
-    seconds: float  # fetching the snapshot
-    load_seconds: float = 0.0
-    rejoined: int | None = None  # the how-manieth rejoin by itself (None: a fresh join)
-    snapshot_step: int = 0
-    started: float = field(default_factory=time.monotonic)  # when the join began
-    replayed: int = 0  # outer steps replayed from the members' update logs
-    replay_bytes: int = 0
-    replay_seconds: float = 0.0  # fetching and applying them
-    replay_donors: list[str] = field(default_factory=list)
-    snapshots: int = 1  # snapshots fetched (a newer one when the log no longer reached one)
-    late: int = 0  # admissions a round late, each followed by catching up again
-    shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
-
-
 LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
-
-
-def _newest(urls: list[str], token: str | None) -> int | None:
-    """The newest step any of `urls` offers (None: none offers one yet)."""
-    try:
-        return max(o.step for o in ask_donors(urls, resolve_token(token), 10.0))
-    except PeerError:
-        return None
-
-
-def _newest_first(donors: list[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:
-    """`(node_id, url)` donors ordered by the step each offers, newest first: a member that
-    has not yet written this round's checkpoint would hand over the previous round's."""
-    steps = {url: _newest([url], token) for _, url in donors}
-    return sorted(donors, key=lambda d: -1 if steps[d[1]] is None else steps[d[1]], reverse=True)
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def replaying(outer: ElasticOuterStep) -> bool:
     """Whether this joiner catches up by replaying the members' update logs (a synchronous
     outer step; an overlapped one still waits for a fresh checkpoint)."""
     return not outer.overlapped and callable(getattr(outer, "replay", None))
-
-
-def fetch_members_state(
-    membership: Membership,
-    ckpt_dir: Path,
-    log: Log,
-    newer_than: int | None = None,
-    fresh: bool = True,
-) -> JoinRecord:
-    """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
-    than `newer_than` if given, or with `fresh` newer than the newest one offered when it
-    started asking (made at a boundary after this node registered), then fetch it."""
-    token = membership.token
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    baseline, baseline_known = newer_than, not fresh
-    seen = False  # whether it saw members at all (they may leave before it fetches)
-    while True:
-        donors = membership.donors()
-        if donors:
-            seen = True
-            newest = _newest([u for _, u in donors], token)
-            if not baseline_known:
-                baseline, baseline_known = newest, True
-                log.info(
-                    f"joining a running job: {len(donors)} member(s); waiting for a checkpoint "
-                    f"newer than step {baseline} (made at an outer boundary while this node waits)"
-                )
-            elif newest is not None and (baseline is None or newest > baseline):
-                break
-        elif seen:
-            raise JoinFailed(
-                "the running job's members left (finished or died) before this node could "
-                "fetch their state; rerun the same command to resume with the others"
-            )
-        if time.monotonic() > deadline:
-            raise JoinFailed(
-                f"no member offered a{' fresh' if fresh else ''} checkpoint within "
-                f"{JOIN_TIMEOUT_S:.0f} s (members: {[n for n, _ in donors] or 'none'}); check "
-                "that the members run and that their checkpoint servers are reachable from "
-                "this machine"
-            )
-        time.sleep(POLL_S)
-
-    t0 = time.monotonic()
-    step, donor, errors = None, None, []
-    for _ in range(3 if fresh else 1):  # the donor made a newer checkpoint meanwhile: that one
-        for node_id, url in _newest_first(membership.donors(), token):
-            try:
-                step = fetch_from_peer([url], ckpt_dir, token=token)
-                donor = node_id
-                break
-            except (PeerError, OSError) as e:  # this donor died or refused: the next one
-                errors.append(f"{node_id}: {e}")
-        if step is None:
-            raise JoinFailed(f"fetching the members' checkpoint failed: {'; '.join(errors)}")
-        newer = _newest([u for _, u in membership.donors()], token)
-        if newer is None or newer <= step:
-            break
-    seconds = time.monotonic() - t0
-    size = _folder_bytes(ckpt_dir / step_dirname(step))
-    return JoinRecord(
-        step=step, donor=donor, bytes=size, seconds=seconds, snapshot_step=step, started=t0
-    )
 
 
 def _on_primary(run: Run, fn):
@@ -224,11 +115,12 @@ def catch_up(
     ranks, rank = run.placement.world_size, run.placement.rank
     folder = run.ckpt_dir / "replay-in"
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    mismatches, waited_since = 0, None
+    mismatches, waited_since, gone_since = 0, None, None
     while True:
         after = outer.outer_steps  # type: ignore[attr-defined]
         if holder is not None:
             holder.first = after + 1
+            holder.renew()
         t0 = time.monotonic()
         got = _on_primary(run, lambda a=after: fetch_entries(membership, a, ranks, folder))
         if time.monotonic() > deadline:
@@ -241,6 +133,13 @@ def catch_up(
                             f"outer step {after + 1}")  # fmt: skip
             continue
         if not got.outer_steps:
+            gone_since = gone_since or time.monotonic()
+            left = _on_primary(
+                run,
+                lambda s=gone_since: None if membership.donors() else members_left(membership, s),
+            )
+            if left is not None:
+                raise left
             if need is None or after >= need:
                 break
             waited_since = waited_since or time.monotonic()
@@ -249,7 +148,7 @@ def catch_up(
                 waited_since = None
             time.sleep(1.0)
             continue
-        problem, last = None, None
+        gone_since, problem, last = None, None, None
         for o in got.outer_steps:
             entry = read_entry(folder, o, rank)
             problem = outer.replay(entry)  # type: ignore[attr-defined]
@@ -302,6 +201,7 @@ def load_members_state(
         if replay:
             catch_up(run, outer, record, holder)
     run.progress["step"] = record.step
+    faults.delay_first_ready(run.log)
     membership.mesh.ready()
     mbps = record.bytes / 1e6 / record.seconds if record.seconds else float("inf")
     run.log.info(

@@ -255,11 +255,12 @@ class Diloco:
 
     def joiners_waiting(self) -> bool:
         """Whether a node is registered but not a member yet (it needs the state of the round
-        that starts now: the loop then checkpoints). The node's ranks answer alike."""
+        that starts now: the loop then checkpoints; also when the coordinator cannot say).
+        The node's ranks answer alike."""
         try:
             mine = [any(m.get("state") != "member" for m in self.mesh.members())]
-        except Exception:  # the coordinator is briefly unreachable: the next boundary asks
-            mine = [False]
+        except Exception:  # the coordinator is briefly unreachable: checkpoint, in case
+            mine = [True]
         if self.node_group is not None:
             dist.broadcast_object_list(mine, group_src=0, group=self.node_group)
         return bool(mine[0])
