@@ -71,7 +71,9 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
     assert outer0[max(outer0)]["contributors"] == 3
     log = (tmp_path / "node2.log").read_text()
     assert "replayed" in log and "entered the running job" in log and "timeline" in log
-    assert "admitted a round late" in log and "Rerun the same command" not in log
+    assert "round(s) late: replayed outer steps" in log and "Rerun the same command" not in log
+    steps = {k: r["step"] for k, r in outer_by_step(folder_metrics(n2)).items()}
+    assert all(steps[k] == outer0[k]["step"] for k in steps), (steps, log_tails(tmp_path))
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ class Averaged:
     contributors: int
     late: str | None = None
     mismatch: bool = False
+    behind: int = 0  # for a late joiner: outer steps the members applied that it has not
 
 
 def average_pseudo_gradient(
@@ -46,10 +47,10 @@ def average_pseudo_gradient(
     `outer_steps` is this node's count of applied outer steps."""
     t = time.monotonic()
     world = mesh.global_world_size
-    contributors, late, mismatch = world, None, False
+    contributors, late, mismatch, behind = world, None, False, 0
     try:
         if regrouped or not contributing:
-            contributors, late, mismatch = _header(mesh, contributing, outer_steps)
+            contributors, late, mismatch, behind = _header(mesh, contributing, outer_steps)
         stats = prime_comm.all_reduce(
             pseudo_gradient,
             group=mesh.global_pg,
@@ -60,19 +61,21 @@ def average_pseudo_gradient(
         )
     except Exception as e:  # the vote tells every member; all re-form and retry
         mesh.record_collective(time.monotonic() - t, ok=False)
-        return Averaged(None, f"{type(e).__name__}: {e}", contributors, late, mismatch)
+        return Averaged(None, f"{type(e).__name__}: {e}", contributors, late, mismatch, behind)
     mesh.record_collective(time.monotonic() - t)
     if 0 < contributors < world:  # the average over the nodes that contributed
         pseudo_gradient.mul_(world / contributors)
     if not bool(torch.isfinite(pseudo_gradient).all()):
         error = "averaged pseudo-gradient is not finite"
-        return Averaged(stats, error, contributors, late, mismatch)
-    return Averaged(stats, None, contributors, late, mismatch)
+        return Averaged(stats, error, contributors, late, mismatch, behind)
+    return Averaged(stats, None, contributors, late, mismatch, behind)
 
 
-def _header(mesh: ElasticDeviceMesh, contributing: bool, mine: int) -> tuple[int, str | None, bool]:
+def _header(
+    mesh: ElasticDeviceMesh, contributing: bool, mine: int
+) -> tuple[int, str | None, bool, int]:
     """Sum (contributes?, outer steps) over the group: (contributors, why this joiner is late,
-    whether some node's count differs)."""
+    whether some node's count differs, how many outer steps this joiner is behind)."""
     world = mesh.global_world_size
     header = torch.tensor([float(contributing), float(mine)], dtype=torch.float32)
     prime_comm.all_reduce(
@@ -83,11 +86,12 @@ def _header(mesh: ElasticDeviceMesh, contributing: bool, mine: int) -> tuple[int
         timeout=mesh.collective_timeout(),
         should_abort=mesh.should_abort,
     )
-    late, mismatch = None, float(header[1]) != float(world * mine)
+    late, mismatch, behind = None, float(header[1]) != float(world * mine), 0
     if mismatch and not contributing:
         others = (float(header[1]) - mine) / max(world - 1, 1)
         late = (
             f"admitted after {others:.0f} outer steps but loaded the state of {mine}: the "
             "fetch outlasted a round. Rerun the same command to join again"
         )
-    return round(float(header[0])), late, mismatch
+        behind = round(others) - mine
+    return round(float(header[0])), late, mismatch, behind

@@ -22,9 +22,11 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    its first round at once (the outer step's `enter`): its model equals the outer weights it
    reached, so its pseudo-gradient is zero; the members average over the nodes that
    contributed, and all apply the same update to the same outer weights: the same bits
-   everywhere. A joiner admitted a round late (the members committed once more between its
-   last replay and its admission) does not use that round: it leaves, registers again,
-   replays the rounds since and asks again (`JoinedLate` only after `MAX_LATE` such tries).
+   everywhere. A joiner admitted late (the members committed once more between its last
+   replay and its admission) replays the rounds it missed at once, as a member, and takes the
+   round with them (`replay_in_place`, the outer step's `late_catch_up`); if it cannot, it
+   leaves, registers again, replays the rounds since and asks again (`JoinedLate` only after
+   `MAX_LATE` such tries).
    With `overlap = "delayed"` steps 2-4 are today's older ones: the joiner waits for a
    checkpoint made after it registered and leaves with `JoinedLate` if admitted late.
 
@@ -37,12 +39,14 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from prime_ckpt import PeerError
 from prime_train import faults
-from prime_train.diloco.catch_up import Holder, fetch_entries, read_entry
+from prime_train.diloco.catch_up import Fetched, Holder, fetch_entries, read_entry
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
@@ -112,7 +116,7 @@ def catch_up(
     a second mismatch is JoinFailed naming it."""
     membership = run.placement.membership
     assert membership is not None
-    ranks, rank = run.placement.world_size, run.placement.rank
+    ranks = run.placement.world_size
     folder = run.ckpt_dir / "replay-in"
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     mismatches, waited_since, gone_since = 0, None, None
@@ -148,20 +152,8 @@ def catch_up(
                 waited_since = None
             time.sleep(1.0)
             continue
-        gone_since, problem, last = None, None, None
-        for o in got.outer_steps:
-            entry = read_entry(folder, o, rank)
-            problem = outer.replay(entry)  # type: ignore[attr-defined]
-            if problem is not None:
-                break
-            last = entry
-        problems = [problem]
-        if ranks > 1:
-            problems = [None] * ranks
-            dist.all_gather_object(problems, problem, group=run.placement.group)
-        problem = next((p for p in problems if p), None)
-        if run.primary:
-            shutil.rmtree(folder, ignore_errors=True)
+        gone_since = None
+        problem = _replay(run, outer, record, got, folder, t0)
         if problem is not None:
             mismatches += 1
             if mismatches > 1:
@@ -171,15 +163,70 @@ def catch_up(
                     "torch build and CPU kind as the members"
                 )
             _newer_snapshot(run, outer, record, f"replay mismatch: {problem}")
-            continue
-        assert last is not None
-        outer.replayed(last.outer_sha256)  # type: ignore[attr-defined]
-        record.replayed += len(got.outer_steps)
-        record.replay_bytes += got.bytes
-        record.replay_seconds += time.monotonic() - t0
-        record.replay_donors = sorted(set(record.replay_donors) | got.donors)
-        record.step, record.shared = last.step, last.shared
-        outer.restore_shared(last.shared)  # type: ignore[attr-defined]
+
+
+def _replay(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Fetched, folder: Path, t0: float
+) -> str | None:
+    """Every local rank replays its fetched entries (`got`, in `folder`); None when all
+    matched the members' hashes (the record then says so), else the first mismatch."""
+    ranks, rank = run.placement.world_size, run.placement.rank
+    problem, last = None, None
+    for o in got.outer_steps:
+        entry = read_entry(folder, o, rank)
+        problem = outer.replay(entry)  # type: ignore[attr-defined]
+        if problem is not None:
+            break
+        last = entry
+    problems = [problem]
+    if ranks > 1:
+        problems = [None] * ranks
+        dist.all_gather_object(problems, problem, group=run.placement.group)
+    problem = next((p for p in problems if p), None)
+    if run.primary:
+        shutil.rmtree(folder, ignore_errors=True)
+    if problem is not None:
+        return problem
+    assert last is not None
+    outer.replayed(last.outer_sha256)  # type: ignore[attr-defined]
+    record.replayed += len(got.outer_steps)
+    record.replay_bytes += got.bytes
+    record.replay_seconds += time.monotonic() - t0
+    record.replay_donors = sorted(set(record.replay_donors) | got.donors)
+    record.step, record.shared = last.step, last.shared
+    outer.restore_shared(last.shared)  # type: ignore[attr-defined]
+    return None
+
+
+def replay_in_place(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, mine: int, theirs: int
+) -> bool:
+    """A joiner admitted late, already a member: fetch and replay the updates of outer steps
+    mine+1..theirs (committed before this round, so every donor has them), at once; False
+    when it cannot (it then leaves and catches up as a waiting node)."""
+    membership = run.placement.membership
+    assert membership is not None
+    folder, t0 = run.ckpt_dir / "replay-in", time.monotonic()
+
+    def fetch() -> Fetched:
+        try:
+            return fetch_entries(membership, mine, run.placement.world_size, folder, until=theirs)
+        except (PeerError, OSError):
+            return Fetched(stale=True)
+
+    got = _on_primary(run, fetch)
+    if got.outer_steps != list(range(mine + 1, theirs + 1)):
+        return False
+    problem = _replay(run, outer, record, got, folder, t0)
+    if problem is not None:
+        run.log.warn(f"replaying the rounds missed failed: {problem}")
+        return False
+    record.late += 1
+    run.log.info(
+        f"admitted {theirs - mine} round(s) late: replayed outer steps {mine + 1}..{theirs} "
+        f"in {time.monotonic() - t0:.2f} s and took this round with the members"
+    )
+    return True
 
 
 def load_members_state(
@@ -244,23 +291,33 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
     """Step 5: the joiner's first round, ending where the members' round that started from
     the state it reached ends; returns the step it continues from. Admitted a round late
     (the members committed one more meanwhile), it catches up again and asks again."""
-    while True:
-        step = min(outer.round_end(record.step), run.cfg.train.steps)
-        try:
-            report = outer.enter(step)
-            break
-        except JoinedLate as e:
-            record.late += 1
-            if not replaying(outer) or record.late > MAX_LATE:
-                raise
-            run.log.warn(
-                f"admitted a round late ({e}); leaving, replaying the rounds since and asking "
-                f"again ({record.late} of at most {MAX_LATE})"
-            )
-            _catch_up_again(run, outer, record, e)
-            if record.step >= run.cfg.train.steps:  # the run completed meanwhile
-                run.log.info("the run completed while this node caught up; nothing to enter")
-                return record.step
+    if replaying(outer):
+        outer.late_catch_up = lambda mine, theirs: replay_in_place(  # type: ignore[attr-defined]
+            run, outer, record, mine, theirs
+        )
+    try:
+        while True:
+            step = min(outer.round_end(record.step), run.cfg.train.steps)
+            try:
+                report = outer.enter(step)
+                break
+            except JoinedLate as e:
+                record.late += 1
+                if not replaying(outer) or record.late > MAX_LATE:
+                    raise
+                run.log.warn(
+                    f"admitted a round late ({e}); leaving, replaying the rounds since and "
+                    f"asking again ({record.late} of at most {MAX_LATE})"
+                )
+                _catch_up_again(run, outer, record, e)
+                if record.step >= run.cfg.train.steps:  # the run completed meanwhile
+                    run.log.info("the run completed while this node caught up; nothing to enter")
+                    return record.step
+    finally:
+        if replaying(outer):
+            outer.late_catch_up = None  # type: ignore[attr-defined]
+    # (admitted late and caught up in place: the members' round, later than the one it asked)
+    step = min(outer.round_end(record.step), run.cfg.train.steps)
     admitted = time.monotonic() - record.started
     startup = record.started - LOADED_AT
     run.log.info(

@@ -88,6 +88,8 @@ class Diloco:
         self.replay_log: ReplayLog | None = None
         self.shared_state: Callable[[], dict[str, Any]] = dict
         self.restore_shared: Callable[[dict[str, Any]], None] = lambda shared: None
+        # a joiner admitted late replays the updates it missed, (its count, theirs) -> done?
+        self.late_catch_up: Callable[[int, int], bool] | None = None
         if mesh.state == "member":  # a joiner is not admitted before its first step
             self.rounds.last_epoch = mesh.epoch
             self.rounds.nodes_now = mesh.global_world_size
@@ -137,8 +139,10 @@ class Diloco:
                     self.optimizer.compute_pseudo_gradient()
                 got = self.average(self.mesh.maybe_reinit_global_pg(), contributing)
                 if self.mesh.should_commit(got.error is None):
-                    if got.late is not None:  # the members commit; this node leaves
-                        raise JoinedLate(got.late)
+                    if got.late is not None:
+                        if not self._catch_up_in_place(got):
+                            raise JoinedLate(got.late)  # the members commit; this node leaves
+                        step += got.behind * self.cfg.inner_steps  # the members' round
                     self.optimizer.apply()
                     seconds = time.monotonic() - t0
                     report = self.rounds.record(
@@ -157,6 +161,19 @@ class Diloco:
             f"outer step failed {len(errors)} times ({'; '.join(errors)}); "
             "outer weights are unchanged"
         )
+
+    def _catch_up_in_place(self, got: Averaged) -> bool:
+        """A joiner admitted `got.behind` rounds late: replay the updates the members applied
+        since its state (`late_catch_up`), then this round's average applies as theirs does.
+        False (nothing usable: it leaves) when it cannot."""
+        if self.late_catch_up is None or got.behind <= 0:
+            return False
+        average = self.optimizer.pseudo_gradient.clone()  # the replay reuses the buffer
+        mine = self.outer_steps
+        if not self.late_catch_up(mine, mine + got.behind):
+            return False
+        self.optimizer.pseudo_gradient.copy_(average)
+        return True
 
     def average(self, regrouped: bool, contributing: bool) -> Averaged:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
