@@ -91,7 +91,13 @@ def fetch_members_state(
                     f"joining a running job: {len(donors)} member(s); waiting for a checkpoint "
                     f"newer than step {baseline} (made at an outer boundary while this node waits)"
                 )
-            elif newest is not None and (baseline is None or newest > baseline):
+            elif (
+                newest is not None
+                and (baseline is None or newest > baseline)
+                # a restarted node holds its own checkpoint of that step (its own inner state):
+                # never overwritten; the members make a newer one while it waits
+                and not (ckpt_dir / step_dirname(newest)).exists()
+            ):
                 break
         else:
             gone_since = gone_since or time.monotonic()
