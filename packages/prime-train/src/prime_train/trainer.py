@@ -141,13 +141,13 @@ def train(
 
 
 def attach_replay_log(run: Run, outer: OuterStep) -> None:
-    """Give a synchronous DiLoCo step its update log (`diloco/replay_log.py`), whose entries
+    """Give a DiLoCo step its update log (`diloco/replay_log.py`), whose entries
     a joiner holds through this node's checkpoint server (whichever registration is live)."""
     from prime_train.diloco.membership import replay_dir
     from prime_train.diloco.replay_log import ReplayLog
 
     keep = run.cfg.diloco.replay_rounds
-    if outer.overlapped or keep <= 0 or not hasattr(outer, "replay_log"):
+    if keep <= 0 or not hasattr(outer, "replay_log"):
         return
     placement = run.placement
 

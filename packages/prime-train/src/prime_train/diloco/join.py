@@ -65,9 +65,9 @@ LOADED_AT = time.monotonic()  # about when the process started (the trainer impo
 
 
 def replaying(outer: ElasticOuterStep) -> bool:
-    """Whether this joiner catches up by replaying the members' update logs (a synchronous
-    outer step; an overlapped one still waits for a fresh checkpoint)."""
-    return not outer.overlapped and callable(getattr(outer, "replay", None))
+    """Whether this joiner catches up by replaying the members' update logs (Prime's DiLoCo
+    steps, synchronous and delayed; another outer step waits for a fresh checkpoint)."""
+    return callable(getattr(outer, "replay", None))
 
 
 def _on_primary(run: Run, fn):

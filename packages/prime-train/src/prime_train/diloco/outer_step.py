@@ -140,7 +140,7 @@ class Diloco:
                 got = self.average(self.mesh.maybe_reinit_global_pg(), contributing)
                 if self.mesh.should_commit(got.error is None):
                     if got.late is not None:
-                        if not self._catch_up_in_place(got):
+                        if not self._catch_up_in_place(got.behind):
                             raise JoinedLate(got.late)  # the members commit; this node leaves
                         step += got.behind * self.cfg.inner_steps  # the members' round
                     self.optimizer.apply()
@@ -162,15 +162,15 @@ class Diloco:
             "outer weights are unchanged"
         )
 
-    def _catch_up_in_place(self, got: Averaged) -> bool:
-        """A joiner admitted `got.behind` rounds late: replay the updates the members applied
+    def _catch_up_in_place(self, behind: int) -> bool:
+        """A joiner admitted `behind` rounds late: replay the updates the members applied
         since its state (`late_catch_up`), then this round's average applies as theirs does.
         False (nothing usable: it leaves) when it cannot."""
-        if self.late_catch_up is None or got.behind <= 0:
+        if self.late_catch_up is None or behind <= 0:
             return False
         average = self.optimizer.pseudo_gradient.clone()  # the replay reuses the buffer
         mine = self.outer_steps
-        if not self.late_catch_up(mine, mine + got.behind):
+        if not self.late_catch_up(mine, mine + behind):
             return False
         self.optimizer.pseudo_gradient.copy_(average)
         return True
@@ -197,15 +197,16 @@ class Diloco:
     def local_rank(self) -> int:
         return dist.get_rank(self.node_group) if self.node_group is not None else 0
 
-    def log_update(self, report: OuterStepReport) -> None:
-        """Append the update just applied (the pseudo-gradient buffer) to the update log."""
+    def log_update(self, report: OuterStepReport, step: int | None = None) -> None:
+        """Append the update just applied (the pseudo-gradient buffer) to the update log;
+        `step`: the inner step of the round it belongs to (default: the report's)."""
         if self.replay_log is None:
             return
         rank = self.local_rank
         self.replay_log.append(
             Entry(
                 outer_step=report.outer_step,
-                step=report.step,
+                step=report.step if step is None else step,
                 rank=rank,
                 outer_sha256=report.outer_sha256,
                 shard_sha256=self.rounds.last_shards[rank],
