@@ -77,7 +77,8 @@ def fetch_members_state(
     than `newer_than` if given, or with `fresh` newer than the newest one offered when it
     started asking (made at a boundary after this node registered), then fetch it."""
     token = membership.token
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    began = time.monotonic()  # the join's timeline starts here, waiting for a donor included
+    deadline = began + JOIN_TIMEOUT_S
     baseline, baseline_known = newer_than, not fresh
     gone_since: float | None = None  # since when no member serves
     while True:
@@ -135,7 +136,7 @@ def fetch_members_state(
     seconds = time.monotonic() - t0
     size = _folder_bytes(ckpt_dir / step_dirname(step))
     return JoinRecord(
-        step=step, donor=donor, bytes=size, seconds=seconds, snapshot_step=step, started=t0
+        step=step, donor=donor, bytes=size, seconds=seconds, snapshot_step=step, started=began
     )
 
 
