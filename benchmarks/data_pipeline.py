@@ -2,7 +2,7 @@
 and the training loop's time waiting for data.
 
 A parquet corpus (rows of text, row groups of 500) is written to a temporary folder, then
-tokenized into a fresh token cache by `build_slot_tokens` in a child process per setting, so
+tokenized into a fresh token cache by `build_corpus_tokens` in a child process per setting, so
 each peak RSS (the builder plus its workers) is measured alone. The figure is tokens/s with
 all workers as a ratio of tokens/s with one worker, measured in the same run. Then a short
 single-node training run on that corpus times every `next_batch` call of the loader against
@@ -62,10 +62,10 @@ def measure(corpus: str, cache: str, workers: int, tokenizer: str) -> None:
     """Child mode: build the token cache once, print tokens, seconds and peak RSS as JSON."""
     import numpy as np
 
-    from prime_train.token_cache import CorpusSpec, build_slot_tokens
+    from prime_train.token_cache import CorpusSpec, build_corpus_tokens
 
     t = time.perf_counter()
-    out = build_slot_tokens(
+    out = build_corpus_tokens(
         CorpusSpec(corpus, "parquet", tokenizer=tokenizer), Path(cache), workers=workers
     )
     secs = time.perf_counter() - t
@@ -103,12 +103,12 @@ def tokenize_run(corpus: Path, root: Path, workers: int, tokenizer: str) -> dict
 
 def data_wait(corpus: Path, root: Path, steps: int, tokenizer: str) -> tuple[float, float, float]:
     """(seconds in next_batch after the first step, seconds of those steps, first batch s)."""
-    from prime_train import data
+    from prime_train import slot_loader
     from prime_train.config_load import load_config
     from prime_train.trainer import train
 
     waits: list[float] = []
-    original = data.ShardedLoader.next_batch
+    original = slot_loader.SlotLoader.next_batch
 
     def timed(self):
         t = time.perf_counter()
@@ -117,7 +117,7 @@ def data_wait(corpus: Path, root: Path, steps: int, tokenizer: str) -> tuple[flo
         finally:
             waits.append(time.perf_counter() - t)
 
-    data.ShardedLoader.next_batch = timed
+    slot_loader.SlotLoader.next_batch = timed
     cfg = load_config(
         None,
         [
@@ -136,7 +136,7 @@ def data_wait(corpus: Path, root: Path, steps: int, tokenizer: str) -> tuple[flo
         ],
     )
     summary = train(cfg)
-    data.ShardedLoader.next_batch = original
+    slot_loader.SlotLoader.next_batch = original
     return sum(waits[1:]), summary.seconds, waits[0]
 
 

@@ -8,11 +8,15 @@ measures, from the parent's clock:
   sigkill  SIGKILL one node while the others are inside an all-reduce, until every survivor
            finished an all-reduce on the new group
   sigstop  the same with SIGSTOP (a straggler: only the heartbeat timeout reveals it)
+  stuck    one node heartbeats but never reaches the sync point (its main thread idle): from
+           the others' sync point until every one of them finished an all-reduce on the
+           group without it (only the sync timeout reveals it)
 Each figure is printed against the configured heartbeat timeout (the targets: SIGKILL
-within 2 s, SIGSTOP within timeout + one interval).
+within 2 s, SIGSTOP within timeout + one interval), the stuck node against the sync timeout
+(the target: within it plus one second).
 
     uv run python benchmarks/mesh_failover.py [--nodes 4] [--rounds 3]
-        [--heartbeat-timeout 3] [--heartbeat-interval 0.5]
+        [--heartbeat-timeout 3] [--heartbeat-interval 0.5] [--sync-timeout 3]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from datetime import timedelta
 TOKEN = "benchmark-token"
 
 
-def node(name: int, address: str, hb: tuple[float, float], cmds, out) -> None:
+def node(name: int, address: str, hb: tuple[float, float], sync_s: float, cmds, out) -> None:
     import torch
     import torch.distributed as dist
 
@@ -38,7 +42,12 @@ def node(name: int, address: str, hb: tuple[float, float], cmds, out) -> None:
 
     torch.set_num_threads(1)
     mesh = ElasticDeviceMesh(
-        address, host="127.0.0.1", token=TOKEN, heartbeat_interval=hb[0], heartbeat_timeout=hb[1]
+        address,
+        host="127.0.0.1",
+        token=TOKEN,
+        heartbeat_interval=hb[0],
+        heartbeat_timeout=hb[1],
+        sync_timeout=sync_s,
     )
     out.put((name, "joined", time.time()))
     while True:
@@ -103,15 +112,30 @@ def fail_one(procs, cmds, out, alive, sig) -> tuple[float, int]:
     return max(t for _, t in got.values()) - t0, victim
 
 
+def fail_stuck(procs, cmds, out, alive) -> tuple[float, int]:
+    """The last node stays away from the sync point the others reach (it heartbeats on)."""
+    victim, survivors = alive[-1], alive[:-1]
+    t0 = time.time()
+    for n in survivors:
+        cmds[n].put("sync")
+    got = collect(out, survivors)
+    assert {kind for kind, _ in got.values()} == {"sync:True"}, got
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    procs[victim].join(10)
+    alive.remove(victim)
+    return max(t for _, t in got.values()) - t0, victim
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="no-failure re-forms and syncs to time")
     ap.add_argument("--heartbeat-timeout", type=float, default=3.0)
     ap.add_argument("--heartbeat-interval", type=float, default=0.5)
+    ap.add_argument("--sync-timeout", type=float, default=3.0)
     args = ap.parse_args()
-    if args.nodes < 3:
-        ap.error("--nodes must be at least 3 (two nodes fail, one must survive)")
+    if args.nodes < 4:
+        ap.error("--nodes must be at least 4 (three nodes fail, one must survive)")
 
     from prime_mesh import Coordinator
 
@@ -121,7 +145,9 @@ def main() -> int:
     out = ctx.Queue()
     cmds = {i: ctx.Queue() for i in range(args.nodes)}
     procs = {
-        i: ctx.Process(target=node, args=(i, coord.address, hb, cmds[i], out), daemon=True)
+        i: ctx.Process(
+            target=node, args=(i, coord.address, hb, args.sync_timeout, cmds[i], out), daemon=True
+        )
         for i in cmds
     }
     alive = list(procs)
@@ -146,6 +172,8 @@ def main() -> int:
                 f"  round {r + 1}/{args.rounds}: sync {figures['sync'][-1]:.3f}s, re-form {figures['reform'][-1]:.3f}s",
                 flush=True,
             )
+        stuck_s, v = fail_stuck(procs, cmds, out, alive)
+        print(f"  stuck node process {v}: the others re-formed in {stuck_s:.2f}s", flush=True)
         kill_s, v = fail_one(procs, cmds, out, alive, signal.SIGKILL)
         print(f"  SIGKILL node process {v}: survivors re-formed in {kill_s:.2f}s", flush=True)
         stop_s, v = fail_one(procs, cmds, out, alive, signal.SIGSTOP)
@@ -178,6 +206,11 @@ def main() -> int:
     print(
         f"  SIGSTOP -> new group    {stop_s:7.3f}s  {stop_s / t:5.2f}x timeout  "
         f"goal < timeout + interval = {t + i:g}s: {'met' if stop_s < t + i else 'MISSED'}"
+    )
+    st = args.sync_timeout
+    print(
+        f"  stuck -> new group      {stuck_s:7.3f}s  {stuck_s / st:5.2f}x sync timeout  "
+        f"goal < sync timeout + 1s = {st + 1:g}s: {'met' if stuck_s < st + 1 else 'MISSED'}"
     )
     return 0
 

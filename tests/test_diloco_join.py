@@ -135,8 +135,8 @@ def check_rejoined(tmp_path, node: Path, members: list[Path], times: int = 1) ->
 def stall_node_1_until_node_0_goes_on_alone(nodes, n0: Path, n1: Path) -> int:
     """SIGSTOP node 1 after its second outer step, SIGCONT it once node 0 committed alone;
     returns node 0's last outer step before the stall."""
-    wait_until(lambda: 2 in outer_by_step(folder_metrics(n1)) or nodes[1].poll() is not None,
-               240, what="node 1's second outer step")  # fmt: skip
+    wait_until(lambda: all(2 in outer_by_step(folder_metrics(n)) for n in (n0, n1))
+               or nodes[1].poll() is not None, 240, what="both nodes' second outer step")  # fmt: skip
     nodes[1].send_signal(signal.SIGSTOP)
     try:
         stalled_at = max(outer_by_step(folder_metrics(n0)))

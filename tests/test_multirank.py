@@ -23,7 +23,7 @@ from prime_testkit import (
     trace,
     wait_until,
 )
-from prime_train.data import ShardedLoader, data_part
+from prime_train.slot_loader import SlotLoader
 
 TOKEN = "multirank-test-token"
 ARGS = [
@@ -70,10 +70,11 @@ def rank_pid(launcher_pid: int, node: int, rank: int) -> int | None:
     return None
 
 
-def test_data_parts_of_a_run_never_overlap():
-    """Each (node, local rank) pair reads its own part: over a whole run (before the data
-    wraps around) no two ranks of 2 nodes x 2 ranks see the same sequence."""
-    n_seqs, batch, steps = 10_000, 4, 600
+def test_data_slots_of_a_run_never_overlap():
+    """Each node reads its own data slots, its local ranks each their own share of them: over
+    a whole run (before a slot wraps around) no two ranks of 2 nodes x 2 ranks see the same
+    sequence."""
+    n_seqs, batch, steps, slots = 10_000, 4, 600, 8
 
     class Indices:  # a dataset whose sequences are their own index
         seq_len = 1
@@ -86,17 +87,18 @@ def test_data_parts_of_a_run_never_overlap():
 
             return torch.tensor([i, i])
 
-    seen: dict[int, tuple[int, int]] = {}
-    for node in range(2):
+    seen: dict[int, tuple[str, int]] = {}
+    for node in ("a", "b"):
         for rank in range(2):
-            part, parts = data_part(node, 2, rank, 2)
-            loader = ShardedLoader(Indices(), batch, part, parts, seed=3)
+            loader = SlotLoader(Indices(), batch, slots, node, rank, 2, seed=3)
+            loader.reassign(["a", "b"])
             for _ in range(steps):
                 inputs, _ = loader.next_batch()
                 for i in inputs[:, 0].tolist():
                     assert i not in seen, f"sequence {i}: rank {(node, rank)} and {seen[i]}"
                     seen[i] = (node, rank)
-            assert loader.epoch == 0, "the run wrapped around: choose fewer steps"
+            loader.end_round()
+            assert max(loader.uncommitted()) <= n_seqs // slots, "a slot wrapped: fewer steps"
     assert len(seen) == 2 * 2 * steps * batch
 
 

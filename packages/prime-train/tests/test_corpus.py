@@ -1,5 +1,5 @@
 """Data in: parquet and JSON-lines corpora made here, tokenized by worker processes into the
-per-slot token cache; bad input is one clear line; memory stays bounded by a few parts."""
+whole-corpus token cache; bad input is one clear line; memory stays bounded by a few parts."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prime_train.corpus import list_parts, resolve_files, split_heldout
-from prime_train.token_cache import CorpusSpec, build_slot_tokens
+from prime_train.token_cache import CorpusSpec, build_corpus_tokens
 from prime_train.tokens import ByteTokenizer, DataError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -42,17 +42,14 @@ def byte_tokens(texts: list[str]) -> np.ndarray:
     return np.concatenate([np.append(tok.encode_text(t), tok.eos_id) for t in texts])
 
 
-def test_parquet_slots_cover_the_corpus_once_with_workers(parquet_corpus, tmp_path):
+def test_parquet_corpus_tokenized_whole_once_with_workers(parquet_corpus, tmp_path):
     spec = CorpusSpec(str(parquet_corpus), "parquet", heldout_fraction=0.1)
     files = resolve_files(spec.path, "parquet")
     parts = list_parts(files, "parquet", "text")
     assert len(parts) == 9 and all(p.rows == 20 for p in parts)
     train, held = split_heldout(parts, 0.1)
-    slots = [build_slot_tokens(spec, tmp_path / "cache", s, 3, workers=2) for s in range(3)]
-    assert not any(s.shared for s in slots) and [s.parts for s in slots] == [
-        len(train[s::3]) for s in range(3)
-    ]
-    assert len({s.heldout for s in slots}) == 1  # one held-out file, shared by every slot
+    tokens = build_corpus_tokens(spec, tmp_path / "cache", workers=2)
+    assert tokens.parts == len(train)
 
     def expected(part_list):
         out = []
@@ -61,29 +58,23 @@ def test_parquet_slots_cover_the_corpus_once_with_workers(parquet_corpus, tmp_pa
             out.append(byte_tokens(texts))
         return np.concatenate(out)
 
-    for s, slot in enumerate(slots):
-        got = np.load(slot.train, mmap_mode="r")
-        assert got.dtype == np.uint16 and np.array_equal(got, expected(train[s::3]))
-    assert np.array_equal(np.load(slots[0].heldout), expected(held))
+    got = np.load(tokens.train, mmap_mode="r")
+    assert got.dtype == np.uint16 and np.array_equal(got, expected(train))
+    assert np.array_equal(np.load(tokens.heldout), expected(held))
     # a re-run reuses the cache (nothing rewritten); a changed file makes a new one
-    mtime = slots[1].train.stat().st_mtime_ns
-    again = build_slot_tokens(spec, tmp_path / "cache", 1, 3, workers=2)
-    assert again == slots[1] and again.train.stat().st_mtime_ns == mtime
+    mtime = tokens.train.stat().st_mtime_ns
+    again = build_corpus_tokens(spec, tmp_path / "cache", workers=2)
+    assert again == tokens and again.train.stat().st_mtime_ns == mtime
     # keyed by content: the corpus copied to another folder (another machine's path), or a
     # file rewritten with the same bytes, finds the same cache
     copy = tmp_path / "copy"
     shutil.copytree(files[0].parent, copy)
     moved = CorpusSpec(str(copy), "parquet", "text", "byte", 0.1)
-    assert build_slot_tokens(moved, tmp_path / "cache", 1, 3, workers=0) == slots[1]
+    assert build_corpus_tokens(moved, tmp_path / "cache", workers=0) == tokens
     os.utime(files[0], ns=(1, 1))
-    assert build_slot_tokens(spec, tmp_path / "cache", 1, 3, workers=0) == slots[1]
+    assert build_corpus_tokens(spec, tmp_path / "cache", workers=0) == tokens
     pq.write_table(pa.table({"text": docs_for(9, 40)}), files[0], row_group_size=20)
-    assert build_slot_tokens(spec, tmp_path / "cache", 1, 3).train != slots[1].train
-    # fewer training parts than slots: every slot shares the whole training set
-    shared = build_slot_tokens(spec, tmp_path / "cache", 5, 64)
-    assert shared.shared and shared.parts == len(
-        split_heldout(list_parts(files, "parquet", "text"), 0.1)[0]
-    )
+    assert build_corpus_tokens(spec, tmp_path / "cache").train != tokens.train
     assert not list((tmp_path / "cache").rglob("*.tmp"))
 
 
@@ -107,7 +98,7 @@ def test_jsonl_with_a_hugging_face_tokenizer_puts_end_of_text_between_documents(
     )
     tk.save(str(tmp_path / "tokenizer.json"))
     spec = CorpusSpec(str(d), "jsonl", "text", str(tmp_path / "tokenizer.json"), 0.3)
-    out = build_slot_tokens(spec, tmp_path / "cache", workers=1)
+    out = build_corpus_tokens(spec, tmp_path / "cache", workers=1)
     train, held = np.load(out.train), np.load(out.heldout)
     eos = tk.token_to_id("</s>")
     assert (train == eos).sum() + (held == eos).sum() == 40  # one after each document
@@ -120,26 +111,26 @@ def test_bad_input_names_the_file(parquet_corpus, tmp_path):
     bad = parquet_corpus / "train-00009.parquet"
     bad.write_bytes(b"not a parquet file at all")
     with pytest.raises(DataError, match=r"cannot read .*train-00009\.parquet"):
-        build_slot_tokens(spec, tmp_path / "cache")
+        build_corpus_tokens(spec, tmp_path / "cache")
     bad.unlink()
     with pytest.raises(DataError, match=r"train-00000\.parquet has no column 'body'"):
-        build_slot_tokens(CorpusSpec(str(parquet_corpus), "parquet", "body"), tmp_path / "cache")
+        build_corpus_tokens(CorpusSpec(str(parquet_corpus), "parquet", "body"), tmp_path / "cache")
     empty = tmp_path / "empty"
     empty.mkdir()
     for i in range(2):
         pq.write_table(pa.table({"text": pa.array([], pa.string())}), empty / f"{i}.parquet")
     with pytest.raises(DataError, match=r"0\.parquet, \.\.\.\) hold no rows: the corpus is empty"):
-        build_slot_tokens(CorpusSpec(str(empty), "parquet"), tmp_path / "cache")
+        build_corpus_tokens(CorpusSpec(str(empty), "parquet"), tmp_path / "cache")
     jl = tmp_path / "jl"
     jl.mkdir()
     for i in range(2):
         (jl / f"{i}.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(DataError, match=r"[01]\.jsonl has no field 'text'"):
-        build_slot_tokens(CorpusSpec(str(jl), "jsonl"), tmp_path / "cache", workers=1)
+        build_corpus_tokens(CorpusSpec(str(jl), "jsonl"), tmp_path / "cache", workers=1)
     for i in range(2):
         (jl / f"{i}.jsonl").write_text('{"text": ""}\n')
     with pytest.raises(DataError, match=r"the corpus is empty"):
-        build_slot_tokens(CorpusSpec(str(jl), "jsonl"), tmp_path / "cache")
+        build_corpus_tokens(CorpusSpec(str(jl), "jsonl"), tmp_path / "cache")
 
 
 def test_cli_trains_on_parquet_and_reports_a_bad_shard_in_one_line(parquet_corpus, tmp_path):
@@ -176,9 +167,9 @@ def test_cli_trains_on_parquet_and_reports_a_bad_shard_in_one_line(parquet_corpu
 MEASURE = """
 import json, resource, sys
 from pathlib import Path
-from prime_train.token_cache import CorpusSpec, build_slot_tokens
+from prime_train.token_cache import CorpusSpec, build_corpus_tokens
 if __name__ == "__main__":
-    out = build_slot_tokens(CorpusSpec(sys.argv[1], "parquet"), Path(sys.argv[2]), workers=2)
+    out = build_corpus_tokens(CorpusSpec(sys.argv[1], "parquet"), Path(sys.argv[2]), workers=2)
     # this process's own high-water mark: ru_maxrss of RUSAGE_SELF would also count the pytest
     # process this one was forked from (Linux keeps the pre-exec mm's peak)
     hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
@@ -256,14 +247,14 @@ def test_each_rank_starts_at_most_its_share_of_the_cores_in_workers(
     monkeypatch.setenv(datasets.LOCAL_PROCESSES_ENV, "1")
     asked = []
 
-    def build(spec, cache, slot, slots, workers):
+    def build(spec, cache, workers):
         asked.append(workers)
-        return build_slot_tokens(spec, cache, slot, slots, 0)
+        return build_corpus_tokens(spec, cache, 0)
 
-    monkeypatch.setattr(datasets, "build_slot_tokens", build)
+    monkeypatch.setattr(datasets, "build_corpus_tokens", build)
     args = ["--data.source", "parquet", "--data.path", str(parquet_corpus)]
     cfg = load_config(DEBUG, [*args, "--data.cache_dir", str(tmp_path / "c")], env={})
-    datasets.open_datasets(cfg, 257, 0, 8)
+    datasets.open_datasets(cfg, 257)
     assert asked == [2]
 
 

@@ -1,4 +1,4 @@
-"""Data: the token cache, held-out split, determinism, sharding by node and rank, resume."""
+"""Data: the token cache, held-out split, determinism, slots shared by ranks, resume."""
 
 import os
 import sysconfig
@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from prime_train.corpus import resolve_files
-from prime_train.data import ShardedLoader, SyntheticSequences, TokenSequences, eval_batches
-from prime_train.token_cache import CorpusSpec, build_slot_tokens
+from prime_train.data import SyntheticSequences, TokenSequences, eval_batches
+from prime_train.slot_loader import SlotLoader
+from prime_train.token_cache import CorpusSpec, build_corpus_tokens
 from prime_train.tokens import ByteTokenizer, DataError, make_tokenizer
 
 
 def build_token_cache(path, tokenizer, fraction, cache_dir):
-    """The whole corpus as one slot, tokenized in this process."""
+    """The whole corpus, tokenized in this process."""
     spec = CorpusSpec(str(path), "text", "text", tokenizer, fraction)
-    return build_slot_tokens(spec, cache_dir, 0, 1, workers=0)
+    return build_corpus_tokens(spec, cache_dir, workers=0)
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_byte_cache_round_trip_and_heldout_split(corpus, tmp_path):
     files = build_token_cache(str(corpus), "byte", 0.2, tmp_path / "cache")
     train = np.load(files.train, mmap_mode="r")
     held = np.load(files.heldout, mmap_mode="r")
-    assert train.dtype == np.uint16 and not files.shared
+    assert train.dtype == np.uint16
     docs = [
         tok.decode(list(map(int, chunk)))
         for chunk in np.split(np.asarray(held), np.flatnonzero(np.asarray(held) == tok.eos_id) + 1)
@@ -107,40 +108,39 @@ def first_tokens(loader, batches):
     return [loader.next_batch()[0][:, 0].tolist() for _ in range(batches)]
 
 
-def test_determinism_and_epochs(tmp_path):
-    seqs = make_seqs(tmp_path)
-    a = ShardedLoader(seqs, 4, seed=1)
-    b = ShardedLoader(seqs, 4, seed=1)
-    assert first_tokens(a, 300) == first_tokens(b, 300)  # crosses into epoch 1
-    assert a.epoch == 1
-    c = ShardedLoader(seqs, 4, seed=2)
-    assert first_tokens(c, 5) != first_tokens(ShardedLoader(seqs, 4, seed=1), 5)
-    x, y = ShardedLoader(seqs, 4).next_batch()
+def slot_loader(seqs, batch, seed=0, slots=4, rank=0, ranks=1):
+    loader = SlotLoader(seqs, batch, slots, "a", rank, ranks, seed=seed)
+    loader.reassign(["a"])
+    return loader
+
+
+def test_determinism_and_passes(tmp_path):
+    seqs = make_seqs(tmp_path)  # 1000 sequences: 250 per slot
+    a, b = slot_loader(seqs, 4, seed=1), slot_loader(seqs, 4, seed=1)
+    assert first_tokens(a, 300) == first_tokens(b, 300)  # crosses into the second pass
+    a.end_round()
+    assert a.uncommitted() == [300] * 4  # positions count across passes
+    c = slot_loader(seqs, 4, seed=2)
+    assert first_tokens(c, 5) != first_tokens(slot_loader(seqs, 4, seed=1), 5)
+    x, y = slot_loader(seqs, 4).next_batch()
     assert torch.equal(x[:, 1:], y[:, :-1]) and x.shape == (4, 10)
 
 
-def test_sharding_by_node_and_rank_is_disjoint_and_complete(tmp_path):
+def test_a_nodes_ranks_read_disjoint_sequences_covering_each_slot_once_per_pass(tmp_path):
     seqs = make_seqs(tmp_path)
-    nodes, ranks = 2, 2
-    seen = []
-    for node in range(nodes):
-        for rank in range(ranks):
-            shard = node * ranks + rank
-            loader = ShardedLoader(seqs, 5, shard, nodes * ranks, seed=0)
-            seen.append({t for batch in first_tokens(loader, 50) for t in batch})
-    assert all(len(s) == 250 for s in seen)
-    union = set().union(*seen)
-    assert len(union) == 1000  # every sequence once per epoch, no overlap
+    ranks = [slot_loader(seqs, 5, rank=r, ranks=2) for r in range(2)]
+    seen = [{t for batch in first_tokens(ld, 100) for t in batch} for ld in ranks]
+    assert all(len(s) == 500 for s in seen) and not seen[0] & seen[1]
+    assert len(seen[0] | seen[1]) == 1000  # every sequence once per pass, no overlap
 
 
 def test_resume_position_is_exact(tmp_path):
     seqs = make_seqs(tmp_path)
-    ref = ShardedLoader(seqs, 3, 1, 2, seed=5)
-    expected = first_tokens(ref, 400)
-    part = ShardedLoader(seqs, 3, 1, 2, seed=5)
+    expected = first_tokens(slot_loader(seqs, 3, seed=5), 400)
+    part = slot_loader(seqs, 3, seed=5)
     got = first_tokens(part, 123)
     state = dict(part.state_dict())
-    resumed = ShardedLoader(seqs, 3, 1, 2, seed=5)
+    resumed = slot_loader(seqs, 3, seed=5)
     resumed.load_state_dict(state)
     got += first_tokens(resumed, 400 - 123)
     assert got == expected
@@ -148,8 +148,10 @@ def test_resume_position_is_exact(tmp_path):
 
 def test_too_little_data_is_clear(tmp_path):
     seqs = make_seqs(tmp_path, n_tokens=41, seq_len=10)
-    with pytest.raises(DataError, match="too little data.*batch_size"):
-        ShardedLoader(seqs, 3, 0, 2)
+    with pytest.raises(DataError, match="too little data.*data.slots = 8"):
+        SlotLoader(seqs, 3, 8, "a")
+    with pytest.raises(DataError, match="too little held-out data"):
+        eval_batches(seqs, 3, 2, 0, 2)
 
 
 def test_eval_batches_fixed_and_sharded(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 # the values two runs that must match are compared by (see `trace`)
-TRACED = ("loss", "eval_loss", "outer_sha256")
+TRACED = ("loss", "eval_loss", "outer_sha256", "data")
 
 
 def node_metrics(run_dir: Path, node: int = 0) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ _EXPORTS = {
     "MeshEvicted": "prime_mesh.errors",
     "MeshNameTaken": "prime_mesh.errors",
     "MeshRefused": "prime_mesh.errors",
+    "MeshTimeout": "prime_mesh.errors",
     "RunCompleted": "prime_mesh.errors",
     "node_host": "prime_mesh.address",
     "query_status": "prime_mesh.status",
@@ -36,6 +37,7 @@ __all__ = [
     "MeshEvicted",
     "MeshNameTaken",
     "MeshRefused",
+    "MeshTimeout",
     "RunCompleted",
     "node_host",
     "query_status",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
         MeshEvicted,
         MeshNameTaken,
         MeshRefused,
+        MeshTimeout,
         RunCompleted,
     )
     from prime_mesh.mesh import ElasticDeviceMesh

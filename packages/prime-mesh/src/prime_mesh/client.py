@@ -21,6 +21,7 @@ from prime_mesh.errors import (
     MeshEvicted,
     MeshNameTaken,
     MeshRefused,
+    MeshTimeout,
     RunCompleted,
 )
 from prime_mesh.progress import MAX_PENDING
@@ -116,7 +117,8 @@ class CoordinatorClient:
     def request(
         self, msg: dict, timeout: float | None = None, what: str = "the coordinator"
     ) -> dict:
-        """Send `msg` and wait for its reply; raises the connection's error instead of hanging."""
+        """Send `msg` and wait for its reply; raises the connection's error instead of hanging,
+        and MeshTimeout after `timeout` seconds (None: as long as the connection lives)."""
         with self._cond:
             self._next_id += 1
             req = self._next_id
@@ -126,7 +128,7 @@ class CoordinatorClient:
             while req not in self._replies and self._error is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+                    raise MeshTimeout(f"timed out after {timeout:.1f}s waiting for {what}")
                 self._cond.wait(left if left is not None else 1.0)
             reply = self._replies.pop(req, None)
         if reply is None:

@@ -25,6 +25,11 @@ class MeshEvicted(MeshError):
     """This node was evicted from the run (stalled, cut off, or timed out); rejoin as a new member."""
 
 
+class MeshTimeout(MeshError, TimeoutError):
+    """A bounded wait of the mesh ran out (admission, building a group, or a coordinator that
+    keeps heartbeating but does not answer a sync point or vote within its bound)."""
+
+
 class CoordinatorLost(MeshError):
     """The coordinator closed the connection or stopped answering."""
 

@@ -12,26 +12,28 @@ import time
 from typing import Any
 
 from prime_mesh.epoch import Epoch, start_build
-from prime_mesh.errors import MeshError, MeshEvicted
+from prime_mesh.errors import MeshError, MeshEvicted, MeshTimeout
 from prime_mesh.session import Session
 
 log = logging.getLogger("prime_mesh")
 
 
 def admit(session: Session, timeout: float | None) -> tuple[Any, Epoch]:
-    """Wait until this node is a member of an epoch, then build its group."""
+    """Wait until this node is a member of an epoch, then build its group. MeshTimeout
+    after `timeout` seconds not admitted (None: only the connection's loss ends the wait)."""
     start = time.monotonic()
 
     def admitted() -> bool:
         return session.latest is not None and session.node_id in session.latest.members
 
-    while not session.client.wait_for(admitted, 30.0):
+    while not session.client.wait_for(admitted, 30.0 if timeout is None else min(30.0, timeout)):
         session.client.check()
         waited = time.monotonic() - start
         if timeout is not None and waited >= timeout:
-            raise TimeoutError(
-                f"{session.node_id} was not admitted within {timeout:g}s: the members admit "
-                "joiners at their next sync point (or the run has fewer than min_nodes nodes)"
+            raise MeshTimeout(
+                f"{session.node_id} was not admitted within {timeout:g}s (join_timeout): the "
+                "members admit joiners at their next sync point, and the run forms once "
+                "min_nodes nodes are ready; start the missing nodes, or raise join_timeout"
             )
         log.info(
             "%s waiting %.0fs to be admitted at the members' next sync point",
@@ -44,8 +46,11 @@ def admit(session: Session, timeout: float | None) -> tuple[Any, Epoch]:
 
 def install(session: Session, target: Epoch) -> tuple[Any, Epoch]:
     """Build the group of `target` (or of any newer epoch that appears meanwhile); returns
-    the group and its epoch."""
+    the group and its epoch. Each build ends within the group timeout (`pg_timeout`: gloo's
+    rendezvous gives up), and three failed builds raise MeshError."""
     started = time.monotonic()
+    # a backstop over gloo's own rendezvous timeout: no build is waited for past it
+    bound = session.pg_timeout + session.heartbeat_timeout + 2 * session.heartbeat_interval
     failures = 0
     node_id = session.node_id
     while True:
@@ -69,8 +74,12 @@ def install(session: Session, target: Epoch) -> tuple[Any, Epoch]:
             done=session.client.notify,
         )
         n = target.number
-        session.client.wait_for(lambda b=box, n=n: bool(b) or session.newer_than(n), None)
+        session.client.wait_for(lambda b=box, n=n: bool(b) or session.newer_than(n), bound)
         session.check()
+        if not box and not session.newer_than(n):
+            raise MeshTimeout(
+                f"building the inter-node group of epoch {n} did not end within {bound:g}s"
+            )
         if "pg" in box:
             log.info(
                 "%s local rank %d: epoch %d, rank %d of %d (group built in %.2fs)",
@@ -97,6 +106,8 @@ def install(session: Session, target: Epoch) -> tuple[Any, Epoch]:
                 f"could not form the inter-node group of epoch {target.number}: {box['err']}"
             )
         reply = session.client.request(
-            {"type": "sync", "epoch": target.number, "admit": False, "failed": True}
+            {"type": "sync", "epoch": target.number, "admit": False, "failed": True},
+            timeout=session.request_bound,
+            what="the other members to reach their sync point (after a failed group build)",
         )
         session.note_epoch(reply["epoch"])

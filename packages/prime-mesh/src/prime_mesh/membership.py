@@ -28,8 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from prime_mesh.address import check_name
+from prime_mesh.barrier import SyncWaits, checked_sync_timeout
 from prime_mesh.node import Conn, Node, name_held
-from prime_mesh.progress import History, public_metadata
+from prime_mesh.progress import History, page_of
 from prime_mesh.reform import (
     Completed,
     NameTaken,
@@ -64,6 +65,7 @@ class Membership:
         self._seq = 0
         self._barrier: dict[tuple[str, int], tuple[Conn, int, bool, bool]] = {}
         self._votes: dict[int, dict[tuple[str, int], tuple[Conn, int, bool]]] = {}
+        self.waits = SyncWaits()  # how long late members are waited for (see barrier)
         self.history = History()
         self.completed: str | None = None  # config hash of a run whose members finished it
 
@@ -112,6 +114,10 @@ class Membership:
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
         hb = float(min(max(hb, 0.1), 3600.0))
+        try:
+            sync_timeout = checked_sync_timeout(msg.get("sync_timeout"))
+        except ValueError as e:
+            raise Refused(f"malformed registration: {e}") from None
         others = {n.node_id: n for k, n in self.nodes.items() if k != key}
         resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=set(others))
         if resume is not None:
@@ -124,7 +130,7 @@ class Membership:
                 node_id = name
             else:
                 node_id = self._fresh_id(set(others))
-            node = Node(key, node_id, lws, metadata, hb)
+            node = Node(key, node_id, lws, metadata, hb, sync_timeout=sync_timeout)
             node.resume = resume
             # "auto": decided here, once per node, atomically with the registration: a node
             # arriving while the run has members (or is being re-formed) joins it, waiting
@@ -189,41 +195,56 @@ class Membership:
             conn.send(self._reply(req, epoch=self.epoch_info()))
             return
         self._barrier[(node.key, lr)] = (conn, req, bool(msg.get("admit")), bool(msg.get("failed")))
+        self.waits.arrived(self.clock())
         self._check_barrier()
 
     def vote(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
         if not node.member or msg.get("epoch") != self.epoch:
             conn.send(self._reply(req, result=False, reason="the epoch changed"))
             return
-        ballots = self._votes.setdefault(int(msg.get("seq", 0)), {})
+        seq = int(msg.get("seq", 0))
+        ballots = self._votes.setdefault(seq, {})
         ballots[(node.key, lr)] = (conn, req, bool(msg.get("ok")))
+        self.waits.voted(seq, self.clock())
         if set(ballots) >= self._required():
             result = all(ok for _, _, ok in ballots.values())
             for c, r, _ in ballots.values():
                 c.send(self._reply(r, result=result))
-            del self._votes[int(msg.get("seq", 0))]
+            del self._votes[seq]
+            self.waits.vote_done(seq)
 
     def evict(self, node: Node, reason: str) -> None:
-        if self.nodes.get(node.key) is not node:
+        self.evict_all([node], reason)
+
+    def evict_all(self, nodes: list[Node], reason: str) -> None:
+        """Evict `nodes` (those still here) for `reason`; the members that stay get one new
+        epoch (several late members are left out of a sync point together)."""
+        nodes = [n for n in nodes if self.nodes.get(n.key) is n]
+        if not nodes:
             return
-        del self.nodes[node.key]
-        self.gone.add(node.key)
-        if node.key in self.joiners:
-            self.joiners.remove(node.key)
         left = reason == "left gracefully"
-        log.log(logging.INFO if left else logging.WARNING, "%s evicted: %s", node.node_id, reason)
         kind = "left" if left else "evicted"
-        self.history.departed_node(node.node_id, node.address, kind, reason)
-        if not node.member:  # a joiner: no new epoch, but the page says what happened
-            self.history.event(kind, self.epoch, node.node_id, reason, self._member_ids())
-        for c in node.conns.values():
-            c.send({"type": "evicted", "reason": reason, "node_id": node.node_id})
-            c.close_after_flush()
-        if node.member:
+        for node in nodes:
+            del self.nodes[node.key]
+            self.gone.add(node.key)
+            if node.key in self.joiners:
+                self.joiners.remove(node.key)
+            level = logging.INFO if left else logging.WARNING
+            log.log(level, "%s evicted: %s", node.node_id, reason)
+            self.history.departed_node(node.node_id, node.address, kind, reason)
+            if not node.member:  # a joiner: no new epoch, but the page says what happened
+                self.history.event(kind, self.epoch, node.node_id, reason, self._member_ids())
+            for c in node.conns.values():
+                c.send({"type": "evicted", "reason": reason, "node_id": node.node_id})
+                c.close_after_flush()
+        members = [n for n in nodes if n.member]
+        if members:
+            ids = ", ".join(n.node_id for n in members)
+            gone = {n.key for n in members}
             self._new_epoch(
-                [k for k in self.members if k != node.key],
-                f"{node.node_id} left: {reason}",
-                (kind, node.node_id, reason),
+                [k for k in self.members if k not in gone],
+                f"{ids} left: {reason}",
+                (kind, ids, reason),
             )
         self._maybe_bootstrap()
 
@@ -241,6 +262,36 @@ class Membership:
                         f"(timeout {node.heartbeat_timeout:g}s): stalled or cut off",
                     )
                     break
+        self._leave_out_late(now)
+
+    def _leave_out_late(self, now: float) -> None:
+        """Evict the members that did not follow the first one to a sync point or vote
+        within the limit (see `prime_mesh.barrier`): stuck while heartbeating, or too late."""
+        if not self.members:
+            return
+        limit = self.waits.limit(self.nodes[k].sync_timeout for k in self.members)
+        over = self.waits.overdue(now, limit)
+        if over is None:
+            return
+        what, waited = over
+        if what == "sync point":
+            here = set(self._barrier)
+        else:
+            seq = min(s for s, t in self.waits.vote_since.items() if now - t > limit)
+            here = set(self._votes.get(seq, {}))
+        late = [
+            self.nodes[k]
+            for k in self.members
+            if any((k, lr) not in here for lr in range(self.nodes[k].local_world_size))
+        ]
+        if not late:  # cannot happen (the wait would have completed): stop the clock
+            self.waits.reset()
+            return
+        self.evict_all(
+            late,
+            f"did not reach the {what} within {limit:.1f}s of the first member "
+            f"(waited {waited:.1f}s; sync timeout): stuck or too slow, left out of the round",
+        )
 
     # ---- epochs --------------------------------------------------------------------------
     def _new_epoch(
@@ -280,6 +331,7 @@ class Membership:
         for conn, req, _, _ in self._barrier.values():
             conn.send(self._reply(req, epoch=info))
         self._barrier.clear()
+        self.waits.reset()
         for ballots in self._votes.values():
             for conn, req, _ in ballots.values():
                 conn.send(self._reply(req, result=False, reason="the epoch changed"))
@@ -291,6 +343,7 @@ class Membership:
     def _check_barrier(self) -> None:
         if not self.members or not set(self._barrier) >= self._required():
             return
+        self.waits.completed(self.clock())
         entries = list(self._barrier.values())
         admit = all(a for _, _, a, _ in entries) and self.joiners
         failed = any(f for _, _, _, f in entries)
@@ -399,29 +452,5 @@ class Membership:
         }
 
     def page(self) -> dict:
-        """The status page's data: plain values copied out, so it is serialized after the
-        lock is released; no token, rendezvous prefix or `_` metadata."""
-        h = self.history
-        nodes = []
-        for view in self.status()["nodes"]:
-            node = next(n for n in self.nodes.values() if n.node_id == view["node_id"])
-            nodes.append(
-                {
-                    **view,
-                    "address": node.address,
-                    "metadata": public_metadata(view["metadata"]),
-                    "progress": dict(h.latest.get(node.node_id, {})),
-                }
-            )
-        for gone in h.departed:
-            nodes.append({**gone, "progress": dict(h.latest.get(gone["node_id"], {}))})
-        return {
-            "history": {"run_id": h.run_id, "started": h.started},
-            "epoch": self.epoch,
-            "min_nodes": self.min_nodes,
-            "members": self._member_ids(),
-            "nodes": nodes,
-            "events": list(h.events),
-            "series": {k: list(v) for k, v in h.series.items()},
-            "dropped_reports": h.dropped_reports,
-        }
+        """The status page's data (see `prime_mesh.progress.page_of`)."""
+        return page_of(self)

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from prime_mesh.address import check_name, node_host
+from prime_mesh.barrier import checked_sync_timeout
 from prime_mesh.deadline import CollectiveDeadline
 from prime_mesh.epoch import Epoch, retire
 from prime_mesh.errors import CoordinatorGone, CoordinatorLost, MeshError
@@ -48,6 +49,14 @@ class ElasticDeviceMesh:
     that died (a node restarted under its own name takes it back). `host` is the address this
     node's gloo groups bind and advertise; without it, the address of the interface that
     reaches the coordinator (see `prime_mesh.address`).
+
+    No wait is unbounded. Once the first member reaches a sync point (or a vote), the others
+    have `sync_timeout` seconds to follow (None: auto, from the recent arrival spread; see
+    `prime_mesh.barrier`); a member that has not, stuck while its heartbeats go on, is
+    evicted (left out of the round; it gets MeshEvicted at its next mesh call and may rejoin
+    as a new member). Waiting for admission ends after `join_timeout` seconds (MeshTimeout;
+    None: no bound), building a group after `pg_timeout`, and a coordinator that heartbeats but
+    never answers a sync point or vote raises MeshTimeout past `request_bound`.
     """
 
     def __init__(
@@ -64,13 +73,15 @@ class ElasticDeviceMesh:
         node_key: str | None = None,
         wait: bool = True,
         wait_until_ready: bool | str = False,
-        join_timeout: float | None = None,
+        join_timeout: float | None = 1800.0,
         name: str | None = None,
         connect_timeout: float = 10.0,
         pg_timeout: float = 600.0,
         coordinator_grace_s: float = 120.0,
+        sync_timeout: float | None = None,
     ) -> None:
         key = resolve_token(token)
+        sync_timeout = checked_sync_timeout(sync_timeout)
         if name is not None:
             check_name(name)
         host = node_host(coordinator, host)
@@ -100,6 +111,7 @@ class ElasticDeviceMesh:
             "local_world_size": self.local_world_size,
             "metadata": self.metadata,
             "heartbeat_timeout": heartbeat_timeout,
+            "sync_timeout": sync_timeout,
         }
         if name is not None:
             register["name"] = name
@@ -114,9 +126,11 @@ class ElasticDeviceMesh:
             heartbeat_timeout=heartbeat_timeout,
             connect_timeout=connect_timeout,
             pg_timeout=pg_timeout,
+            sync_timeout=sync_timeout,
         )
         if auto:
             self._ready = not self._session.joining
+        self.sync_timeout = sync_timeout
         try:
             log.info(
                 "%s local rank %d registered with %s (gloo host %s)",
@@ -220,7 +234,8 @@ class ElasticDeviceMesh:
                 "admit": bool(admit_joiners),
                 "failed": self._suspect,
             },
-            what="the other members to reach their sync point",
+            timeout=self.request_bound,
+            what="the coordinator to answer the sync point",
         )
         self._session.note_epoch(reply["epoch"])
         latest = self._session.latest
@@ -283,7 +298,8 @@ class ElasticDeviceMesh:
                     "seq": self._vote_seq,
                     "ok": bool(ok),
                 },
-                what="the other members' commit votes",
+                timeout=self.request_bound,
+                what="the coordinator to answer the commit vote",
             )
         except CoordinatorLost as e:
             if not self._recoverable(e):
@@ -314,13 +330,32 @@ class ElasticDeviceMesh:
     def status(self) -> dict:
         """The coordinator's view: epoch, min_nodes and `nodes` (as `members()`)."""
         self._check()
-        return dict(self._session.client.request({"type": "status"})["status"])
+        request = {"type": "status"}
+        reply = self._session.client.request(
+            request, timeout=self._session.connect_timeout, what="the coordinator's status"
+        )
+        return dict(reply["status"])
 
     def report_progress(self, **numbers: float) -> None:
         """Show training numbers on the coordinator's status page (`step`, `loss`, ...: see
         `prime_mesh.progress.PROGRESS_FIELDS`); they ride on the next heartbeat. ValueError on
         an unknown field or a value that is not a finite number >= 0."""
         self._session.client.queue_progress(validate_progress(numbers))
+
+    @property
+    def request_bound(self) -> float:
+        """Seconds a sync point or vote waits for the coordinator's answer at most (then
+        MeshTimeout): its longest wait for late members plus a heartbeat timeout."""
+        return self._session.request_bound
+
+    def round_bound(self) -> float:
+        """An upper bound on one round of the README loop with no coordinator loss: a sync
+        point (its answer, then at most three group builds), one collective given
+        `collective_timeout()`, and the vote. For a caller that waits on another thread
+        running them (prime-train's overlapped outer step)."""
+        s = self._session
+        build = s.pg_timeout + s.heartbeat_timeout + 2 * s.heartbeat_interval
+        return 2 * self.request_bound + 3 * (build + self.request_bound) + self.collective_timeout()
 
     # ---- collective deadlines ------------------------------------------------------------
     def collective_timeout(self) -> float:
@@ -351,6 +386,11 @@ class ElasticDeviceMesh:
     @property
     def global_world_size(self) -> int:
         return len(self._current().members)
+
+    @property
+    def global_members(self) -> tuple[str, ...]:
+        """The node ids of the installed group, in rank order (the same on every member)."""
+        return self._current().members
 
     @property
     def epoch(self) -> int:

@@ -28,6 +28,7 @@ class Node:
     address: str = ""  # as the coordinator sees local rank 0's connection
     ready_ranks: set[int] = field(default_factory=set)
     resume: Resume | None = None  # reconnected after a coordinator restart (see reform)
+    sync_timeout: float | None = None  # seconds it asked late members be waited for; None: auto
     joining: bool = False  # registered "auto" into a running job: waits until ready()
 
     @property

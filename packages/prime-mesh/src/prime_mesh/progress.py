@@ -14,7 +14,10 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prime_mesh.membership import Membership
 
 # name -> (what it is, whether it must be a whole number)
 PROGRESS_FIELDS: dict[str, tuple[str, bool]] = {
@@ -117,3 +120,32 @@ class History:
                     del self.series[oldest]
                     self.latest.pop(oldest, None)
             series.append({"time": self.clock(), **point})
+
+
+def page_of(m: Membership) -> dict:
+    """The status page's data: plain values copied out, so it is serialized after the
+    lock is released; no token, rendezvous prefix or `_` metadata."""
+    h = m.history
+    nodes = []
+    for view in m.status()["nodes"]:
+        node = next(n for n in m.nodes.values() if n.node_id == view["node_id"])
+        nodes.append(
+            {
+                **view,
+                "address": node.address,
+                "metadata": public_metadata(view["metadata"]),
+                "progress": dict(h.latest.get(node.node_id, {})),
+            }
+        )
+    for gone in h.departed:
+        nodes.append({**gone, "progress": dict(h.latest.get(gone["node_id"], {}))})
+    return {
+        "history": {"run_id": h.run_id, "started": h.started},
+        "epoch": m.epoch,
+        "min_nodes": m.min_nodes,
+        "members": [m.nodes[k].node_id for k in m.members],
+        "nodes": nodes,
+        "events": list(h.events),
+        "series": {k: list(v) for k, v in h.series.items()},
+        "dropped_reports": h.dropped_reports,
+    }

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from prime_mesh.barrier import request_bound
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.epoch import Epoch, connect_store
 from prime_mesh.errors import MeshClosed, MeshNameTaken
@@ -40,8 +41,11 @@ class Session:
         heartbeat_timeout: float,
         connect_timeout: float,
         pg_timeout: float,
+        sync_timeout: float | None = None,
     ) -> None:
         self.address, self.key, self.register = address, key, register
+        # the bound on waiting for the coordinator at a sync point or vote (see barrier)
+        self.request_bound = request_bound(sync_timeout, heartbeat_timeout, heartbeat_interval)
         self.local_rank = local_rank
         self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
         self.connect_timeout, self.pg_timeout = connect_timeout, pg_timeout

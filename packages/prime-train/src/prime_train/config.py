@@ -76,6 +76,12 @@ class DataConfig(Section):
         "byte", description="'byte' (256 bytes + end-of-text) or a Hugging Face tokenizer.json"
     )
     seq_len: int = Field(128, ge=2, description="tokens per training sequence")
+    slots: int = Field(
+        64,
+        ge=1,
+        description="disjoint data slots the training sequences are cut into; each node reads "
+        "its own slots, so a run never has more nodes than slots (part of the run's identity)",
+    )
     heldout_fraction: float = Field(
         0.05, gt=0.0, lt=0.5, description="share of documents held out for evaluation"
     )
@@ -243,6 +249,13 @@ class DilocoConfig(Section):
         description="'none': inner steps wait for each outer step; 'delayed': the all-reduce of "
         "round k runs in the background during round k+1 and its update is applied at the end "
         "of round k+1",
+    )
+    sync_timeout_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="once the first node reaches a sync point, seconds the others have to "
+        "follow before they are left out of the round (evicted; they rejoin by themselves). "
+        "0: auto, 4x the largest arrival spread of the last 8 sync points, within [30, 600] s",
     )
     max_rejoins: int = Field(
         3,

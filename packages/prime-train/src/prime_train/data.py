@@ -1,15 +1,13 @@
-"""Packed sequences, sharded by node and rank, with an exact resumable position.
+"""Packed sequences of `seq_len + 1` tokens (inputs and shifted targets), and the held-out set.
 
-A dataset is an indexable set of sequences of `seq_len + 1` tokens (inputs and shifted
-targets). The loader walks a seeded permutation of them per epoch; shard `s` of `n` takes
-every n-th entry, so shards never overlap and the order depends only on (seed, epoch).
-Its whole position is `{"epoch", "pos"}`: saving and restoring that resumes exactly.
+A dataset is an indexable set of such sequences; training reads them through the data slots
+(`slot_loader.py`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -58,70 +56,23 @@ class SyntheticSequences:
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=self._gen)
 
 
-def data_part(node: int, nodes: int, rank: int, ranks: int) -> tuple[int, int]:
-    """(part, parts): local rank `rank` of node `node` reads part `node * ranks + rank` of
-    `nodes * ranks`, so no two ranks of a run read the same sequence (until it wraps around)."""
-    if not (0 <= node < nodes and 0 <= rank < ranks):
-        raise ValueError(f"node {node} of {nodes}, rank {rank} of {ranks}: out of range")
-    return node * ranks + rank, nodes * ranks
-
-
-class ShardedLoader:
-    """Batches of `batch_size` sequences for one shard, in a per-epoch seeded order."""
-
-    def __init__(
-        self,
-        data: Sequences,
-        batch_size: int,
-        shard: int = 0,
-        num_shards: int = 1,
-        seed: int = 0,
-        shuffle: bool = True,
-    ):
-        if not 0 <= shard < num_shards:
-            raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
-        self.data, self.batch_size = data, batch_size
-        self.shard, self.num_shards, self.seed, self.shuffle = shard, num_shards, seed, shuffle
-        self.per_shard = len(data) // num_shards
-        if self.per_shard < batch_size:
-            raise DataError(
-                f"too little data: {len(data)} sequences of {data.seq_len + 1} tokens give "
-                f"{self.per_shard} per shard ({num_shards} shards) but a batch needs {batch_size}; "
-                "add text or lower train.batch_size / data.seq_len"
-            )
-        self.epoch, self.pos = 0, 0
-        self._order: torch.Tensor | None = None
-        self._order_epoch = -1
-
-    def _index(self, k: int) -> int:
-        """Dataset index of the k-th sequence of this shard in the current epoch."""
-        if not self.shuffle:
-            return self.shard + self.num_shards * k
-        if self._order_epoch != self.epoch:
-            g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
-            self._order = torch.randperm(len(self.data), generator=g)
-            self._order_epoch = self.epoch
-        return int(self._order[self.shard + self.num_shards * k])
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (batch_size, seq_len) int64."""
-        if self.pos + self.batch_size > self.per_shard:
-            self.epoch, self.pos = self.epoch + 1, 0
-        seqs = torch.stack([self.data[self._index(self.pos + j)] for j in range(self.batch_size)])
-        self.pos += self.batch_size
-        return seqs[:, :-1], seqs[:, 1:]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-
-
 def eval_batches(
     data: Sequences, batch_size: int, batches: int, shard: int = 0, num_shards: int = 1
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed held-out set: the first `batches` batches of this shard, same every time."""
-    loader = ShardedLoader(data, batch_size, shard, num_shards, shuffle=False)
-    n = min(batches, loader.per_shard // batch_size)
-    return [loader.next_batch() for _ in range(n)]
+    """A fixed held-out set: the first `batches` batches of shard `shard` of `num_shards`
+    (every `num_shards`-th sequence), the same every time."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
+    n = min(batches, len(data) // num_shards // batch_size)
+    if n == 0:
+        raise DataError(
+            f"too little held-out data: {len(data)} sequences of {data.seq_len + 1} tokens give "
+            f"no batch of {batch_size} for each of {num_shards} rank(s); add text or lower "
+            "train.batch_size / data.seq_len"
+        )
+    out = []
+    for b in range(n):
+        idx = [shard + num_shards * (b * batch_size + j) for j in range(batch_size)]
+        seqs = torch.stack([data[i] for i in idx])
+        out.append((seqs[:, :-1], seqs[:, 1:]))
+    return out

@@ -1,8 +1,8 @@
 """The training and held-out sequences of a run, from its `[data]` settings.
 
-Each rank tokenizes only its own data slot (node x rank) into the token cache and trains on
-it (see token_cache.py); a corpus with fewer training parts than slots is shared whole and
-sharded by sequence instead. Ranks of a node agree on failure, so a bad file stops them all.
+Every machine holds the whole corpus's tokens (token_cache.py); which sequences a rank trains
+on is the data slots' business (slot_loader.py). Ranks of a node agree on failure, so a bad
+file stops them all.
 """
 
 from __future__ import annotations
@@ -15,19 +15,17 @@ import torch.distributed as dist
 
 from prime_train.config import Config
 from prime_train.data import Sequences, SyntheticSequences, TokenSequences
-from prime_train.token_cache import CorpusSpec, build_slot_tokens
+from prime_train.token_cache import CorpusSpec, build_corpus_tokens
 from prime_train.tokens import DataError
 
 
 @dataclass(frozen=True)
 class RunData:
-    """Training sequences (the loader takes shard `shard` of `num_shards` of them) and the
-    held-out sequences, the same on every node."""
+    """The training sequences (all of them: the data slots cut them) and the held-out
+    sequences, the same on every node."""
 
     train: Sequences
     heldout: Sequences
-    shard: int
-    num_shards: int
 
 
 # set by the local launcher: how many rank processes it runs on this machine (all nodes)
@@ -56,18 +54,14 @@ def tokenizer_workers(setting: int | None, group: dist.ProcessGroup | None = Non
     return limit if setting is None else min(setting, limit)
 
 
-def open_datasets(
-    cfg: Config, vocab_size: int, slot: int, slots: int, group: dist.ProcessGroup | None = None
-) -> RunData:
-    """This rank's data: synthetic, or its slot (`node * ranks + rank` of `nodes * ranks`) of
-    the tokenized corpus. `group`: the node's ranks, which fail together on bad data."""
+def open_datasets(cfg: Config, vocab_size: int, group: dist.ProcessGroup | None = None) -> RunData:
+    """The run's data: synthetic, or the tokenized corpus. `group`: the node's ranks, which
+    fail together on bad data."""
     seq = cfg.data.seq_len
     if cfg.data.source == "synthetic":
         return RunData(
             SyntheticSequences(vocab_size, seq, cfg.run.seed),
             SyntheticSequences(vocab_size, seq, cfg.run.seed + 10**6),
-            slot,
-            slots,
         )
     d = cfg.data
     spec = CorpusSpec(d.path, d.source, d.text_field, d.tokenizer, d.heldout_fraction)
@@ -75,7 +69,7 @@ def open_datasets(
     workers = tokenizer_workers(d.workers, group)
     tokens, error = None, None
     try:
-        tokens = build_slot_tokens(spec, cache, slot, slots, workers)
+        tokens = build_corpus_tokens(spec, cache, workers)
     except DataError as e:
         error = e
     if group is not None:  # one rank's bad file stops the node's other ranks too
@@ -85,5 +79,4 @@ def open_datasets(
             error = DataError("another rank of this node could not read its data (see its error)")
     if error is not None:
         raise error
-    train, held = TokenSequences(tokens.train, seq), TokenSequences(tokens.heldout, seq)
-    return RunData(train, held, slot, slots) if tokens.shared else RunData(train, held, 0, 1)
+    return RunData(TokenSequences(tokens.train, seq), TokenSequences(tokens.heldout, seq))

@@ -7,6 +7,7 @@ environment itself.
 | variable | effect |
 | --- | --- |
 | `PRIME_TRAIN_FAULT_HOLD_ROUND_S` | with `overlap = "delayed"`, every background outer round waits this many seconds between its sync point and its all-reduce, so that a test can kill or stop a node while a round is in flight |
+| `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 """
 
@@ -25,6 +26,9 @@ def _seconds(name: str) -> float:
 
 
 HOLD_ROUND_S = _seconds(HOLD_ROUND_ENV)  # read once, when the trainer starts
+STALL_AT_STEP_ENV, STALL_S_ENV = "PRIME_TRAIN_FAULT_STALL_AT_STEP", "PRIME_TRAIN_FAULT_STALL_S"
+STALL_UNTIL_ENV = "PRIME_TRAIN_FAULT_STALL_UNTIL"
+_stall = [int(_seconds(STALL_AT_STEP_ENV)), _seconds(STALL_S_ENV)]  # [step, seconds]: once
 JOIN_READY_DELAY_ENV = "PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S"
 _join_ready_delay = [_seconds(JOIN_READY_DELAY_ENV)]  # used up by the first join
 
@@ -35,6 +39,25 @@ def hold_outer_round(step: int, log: Log | None) -> None:
         if log is not None:
             log.info(f"holding the outer round of step {step} for {HOLD_ROUND_S:g} s")
         time.sleep(HOLD_ROUND_S)
+
+
+def stall_training(step: int, log: Log | None) -> None:
+    """`PRIME_TRAIN_FAULT_STALL_AT_STEP`: block the training thread before inner step `step`
+    (the first time it comes) for `PRIME_TRAIN_FAULT_STALL_S` seconds, or until the file
+    `PRIME_TRAIN_FAULT_STALL_UNTIL` exists. A sleep releases the GIL, so heartbeats go on:
+    the node looks alive to the coordinator."""
+    at, seconds = _stall
+    if not (at and seconds and step == at):
+        return
+    _stall[1] = 0.0
+    until = os.environ.get(STALL_UNTIL_ENV)
+    if log is not None:
+        log.info(f"fault hook: blocking the training thread before step {step} for {seconds:g} s")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not (until and os.path.exists(until)):
+        time.sleep(0.1)
+    if log is not None:
+        log.info(f"fault hook: the training thread goes on at step {step}")
 
 
 def delay_first_ready(log: Log | None) -> None:

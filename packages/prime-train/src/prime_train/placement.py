@@ -2,8 +2,8 @@
 
 Built first, in this order: the intra-node process group (torchrun's, or a world of one),
 then, for a multi-node run, this local rank's membership in the run's elastic mesh, which
-gives the node its index among the nodes. Everything later (data part, file names, log
-prefix) reads the identity from here; it is computed once.
+gives the node its index among the nodes. Everything later (file names, log prefix, the
+name that owns data slots) reads the identity from here; it is computed once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def launcher_index() -> int | None:
 
 @dataclass(frozen=True)
 class NodeIdentity:
-    """Which node this is: its index among `count` nodes (its data part and log prefix), and,
+    """Which node this is: its index among `count` nodes (its log prefix), and,
     for nodes simulated on one machine by the launcher, the index that names its files."""
 
     index: int = 0

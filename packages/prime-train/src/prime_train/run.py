@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from prime_train import checkpointing
 from prime_train.config import Config
-from prime_train.data import ShardedLoader, data_part, eval_batches
+from prime_train.data import eval_batches
 from prime_train.datasets import open_datasets
 from prime_train.hf_import import load_hf_weights, run_model_args
 from prime_train.metrics import Log, Metrics
@@ -25,6 +25,7 @@ from prime_train.parallel import build_model, reshard, uses_fsdp
 from prime_train.placement import Placement
 from prime_train.rundir import claim_run_dir
 from prime_train.seam import OuterStep
+from prime_train.slot_loader import SlotLoader
 from prime_train.tokens import make_tokenizer
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -41,12 +42,11 @@ class Run:
         # simulated nodes share: written aside and renamed, so identical writes are harmless)
         self.run_dir = claim_run_dir(cfg, write=self.primary)
         self.device = placement.device
-        part, parts = data_part(node.index, node.count, placement.rank, placement.world_size)
 
         tokenizer = None if cfg.data.source == "synthetic" else make_tokenizer(cfg.data.tokenizer)
         args = run_model_args(cfg, tokenizer.vocab_size if tokenizer else None)
         group = placement.group if placement.world_size > 1 else None
-        data = open_datasets(cfg, args.vocab_size, part, parts, group)
+        data = open_datasets(cfg, args.vocab_size, group)
         train_seqs, held_seqs = data.train, data.heldout
         with torch.device("meta"):
             self.model = Transformer(args)
@@ -60,14 +60,19 @@ class Run:
 
         B = cfg.train.batch_size
         # synthetic sequences are already random: no permutation of their 2**30 indices
-        self.loader = ShardedLoader(
+        self.loader = SlotLoader(
             train_seqs,
             B,
-            data.shard,
-            data.num_shards,
+            cfg.data.slots,
+            node.name,
+            placement.rank,
+            placement.world_size,
             seed=cfg.run.seed,
             shuffle=cfg.data.source != "synthetic",
+            lag=1 if cfg.diloco.overlap == "delayed" and placement.membership else 0,
         )
+        if placement.membership is None:  # a node alone reads every slot
+            self.loader.reassign([node.name])
         self.eval_set = eval_batches(
             held_seqs, B, cfg.eval.batches, placement.rank, placement.world_size
         )
@@ -113,9 +118,14 @@ class Run:
             f"sequences of {cfg.data.seq_len} tokens"
         )
 
-    def inner_step(self, step: int) -> torch.Tensor:
-        """One optimizer step on the next batch; returns the loss (not synchronised)."""
-        inputs, targets = self.loader.next_batch()
+    def inner_step(self, step: int) -> torch.Tensor | None:
+        """One optimizer step on the next batch; returns the loss (not synchronised). None:
+        the node holds no readable data slot this round (a joiner of a delayed run waiting
+        for its slots), so it does not train."""
+        batch = self.loader.next_batch()
+        if batch is None:
+            return None
+        inputs, targets = batch
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
         set_lr(self.opt, lr_at(step, self.cfg.optim, self.cfg.train.steps))

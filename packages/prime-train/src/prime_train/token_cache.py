@@ -1,22 +1,23 @@
 """Tokenizing a corpus in worker processes into memory-mapped token files on disk.
 
-The training parts of the corpus are dealt to data slots (slot = node x rank): part i goes
-to slot i mod slots, and each rank tokenizes only its own slot's parts, so no rank waits for
-another. The held-out parts (a small share) are tokenized by every rank that needs them,
-to the same cached file. Workers each tokenize one part at a time into a part file; the
-parent streams the part files, in order, into one `.npy` per slot and renames it into
-place. Memory stays bounded by what the workers hold (one batch of documents each), not by
-the corpus; a crash never leaves a torn cache, and concurrent builders race to an
-identical result.
+Every machine tokenizes the whole corpus once (its training parts into one file, the held-out
+parts into another), so any node can read any data slot at once (see `slot_loader.py`): a slot
+handed over when membership changes never waits for tokens. Processes on one machine that
+share the cache build it once: one holds a lock while it builds, the others wait for it and
+read the result. Workers each tokenize one part at a time into a part file; the parent streams
+the part files, in order, into one `.npy` and renames it into place. Memory stays bounded by
+what the workers hold (one batch of documents each), not by the corpus; a crash never leaves a
+torn cache (a builder that dies releases the lock).
 
 Files are keyed by the data's content (each file's name and SHA-256, so the same corpus under
-another folder or copied to another machine finds the same cache), the tokenizer, the text
-field and the slot layout: a re-run reuses them, a changed file rebuilds them. A file's
-digest is computed once per version of it (remembered by path, size, mtime and inode).
+another folder or copied to another machine finds the same cache), the tokenizer and the text
+field: a re-run reuses them, a changed file rebuilds them. A file's digest is computed once
+per version of it (remembered by path, size, mtime and inode).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import multiprocessing as mp
@@ -32,7 +33,7 @@ from prime_train.corpus import Part, documents, list_parts, resolve_files, split
 from prime_train.files import write_atomic
 from prime_train.tokens import DataError, make_tokenizer
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,12 @@ class CorpusSpec:
 
 
 @dataclass(frozen=True)
-class SlotTokens:
-    """A slot's training tokens and the shared held-out tokens (`.npy`, memory-mappable).
-    `shared` is True when the corpus has fewer training parts than slots: then every slot
-    holds all training tokens and the loader shards sequences instead."""
+class CorpusTokens:
+    """The corpus's training tokens and its held-out tokens (`.npy`, memory-mappable)."""
 
     train: Path
     heldout: Path
-    shared: bool
-    parts: int
+    parts: int  # training parts
 
 
 def content_digest(path: Path, cache_dir: Path) -> str:
@@ -145,34 +143,31 @@ def _build(dest: Path, parts: list[Part], spec: CorpusSpec, vocab: int, workers:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build_slot_tokens(
-    spec: CorpusSpec,
-    cache_dir: Path,
-    slot: int = 0,
-    slots: int = 1,
-    workers: int = 0,
-) -> SlotTokens:
-    """Tokenize (or find cached) the training parts of `slot` and the held-out parts."""
+def build_corpus_tokens(spec: CorpusSpec, cache_dir: Path, workers: int = 0) -> CorpusTokens:
+    """Tokenize (or find cached) the corpus's training and held-out parts (module doc)."""
     tok = make_tokenizer(spec.tokenizer)
     files = resolve_files(spec.path, spec.source)
     train, held = split_heldout(
         list_parts(files, spec.source, spec.text_field), spec.heldout_fraction
     )
-    shared = len(train) < slots
-    mine = train if shared else train[slot::slots]
-    what = "train" if shared else f"train-{slot}-of-{slots}"
     out = cache_dir / _key(spec, tok.name, files, cache_dir)
-    train_file, held_file = out / f"{what}.npy", out / "heldout.npy"
-    for dest, parts in ((held_file, held), (train_file, mine)):
-        if not dest.is_file():
-            _build(dest, parts, spec, tok.vocab_size, workers)
-        if np.load(dest, mmap_mode="r").size == 0:
-            raise DataError(
-                f"{parts[0].file}{' and others' if len(parts) > 1 else ''}: no text to train on "
-                f"(empty documents or field {spec.text_field!r}); the corpus is empty"
-            )
-    info = out / "parts.json"
-    if not info.is_file():
-        listing = {"tokenizer": tok.name, "heldout": [p.name for p in held]}
-        write_atomic(info, json.dumps(listing) + "\n")
-    return SlotTokens(train_file, held_file, shared, len(mine))
+    train_file, held_file = out / "train.npy", out / "heldout.npy"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a") as lock:
+        # the first process builds; the others wait here, then find the files (the lock
+        # is released by the kernel if the builder dies, so the wait ends with it)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for dest, parts in ((held_file, held), (train_file, train)):
+            if not dest.is_file():
+                _build(dest, parts, spec, tok.vocab_size, workers)
+            if np.load(dest, mmap_mode="r").size == 0:
+                raise DataError(
+                    f"{parts[0].file}{' and others' if len(parts) > 1 else ''}: no text to "
+                    f"train on (empty documents or field {spec.text_field!r}); the corpus is "
+                    "empty"
+                )
+        info = out / "parts.json"
+        if not info.is_file():
+            listing = {"tokenizer": tok.name, "heldout": [p.name for p in held]}
+            write_atomic(info, json.dumps(listing) + "\n")
+    return CorpusTokens(train_file, held_file, len(train))

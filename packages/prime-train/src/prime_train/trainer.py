@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from prime_train import faults
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
 from prime_train.diloco.join import enter_running_job, load_members_state
@@ -25,6 +26,7 @@ from prime_train.placement import Placement, init_placement
 from prime_train.reporting import attach_reporting
 from prime_train.run import Run
 from prime_train.seam import ElasticOuterStep, OuterStep
+from prime_train.slots import too_many_readers
 from prime_train.stop import StopSignal
 from prime_train.summary import LoopEnd, Summary, finish
 
@@ -39,32 +41,35 @@ class Meter:
         self.last_loss: float | None = None
         self.t0 = self.window_t = time.perf_counter()
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor | None) -> None:
+        if loss is None:  # no data this step: nothing trained
+            return
         self.loss += loss  # no host sync until the next report
         self.steps += 1
         self.session_tokens += self.run.tokens_per_step
 
     def report(self, step: int) -> None:
         run = self.run
-        mean = self.loss.double() / (self.steps * run.placement.world_size)
+        mean = self.loss.double() / max(self.steps * run.placement.world_size, 1)
         run.all_reduce_sum(mean)
         secs = time.perf_counter() - self.window_t
         tps = self.steps * run.tokens_per_step / secs
-        self.last_loss = float(mean)
+        if self.steps:  # (a node without data this window trained nothing: no loss)
+            self.last_loss = float(mean)
         lr = lr_at(step, run.cfg.optim, run.cfg.train.steps)
         run.metrics.write(
             {
                 "step": step,
-                "loss": self.last_loss,
+                "loss": self.last_loss if self.steps else None,
                 "lr": lr,
                 "tokens": run.progress["tokens"],
                 "tokens_per_s": tps,
                 "ckpt_errors": run.ckpt.errors,  # checkpoint saves and uploads failed so far
             }
         )
+        loss = f"{self.last_loss:.4f}" if self.steps else "- (no data slot yet)"
         self.log.info(
-            f"step {step}/{run.cfg.train.steps} | loss {self.last_loss:.4f} | "
-            f"lr {lr:.2e} | {tps:,.0f} tok/s"
+            f"step {step}/{run.cfg.train.steps} | loss {loss} | lr {lr:.2e} | {tps:,.0f} tok/s"
         )
         self.loss.zero_()
         self.steps = 0
@@ -124,6 +129,7 @@ def train(
                 metrics=run.metrics,
                 log=log,
                 node_group=placement.group,
+                data=run.loader,
             )
         if outer is not None and membership is not None:
             attach_replay_log(run, outer)
@@ -158,6 +164,14 @@ def attach_replay_log(run: Run, outer: OuterStep) -> None:
     outer.replay_log = ReplayLog(  # type: ignore[attr-defined]
         replay_dir(run.ckpt_dir), placement.rank, keep, held_from if run.primary else None
     )
+    # each entry carries the data slots' shared state after its round; a joiner takes the
+    # last one it replays (none of the members' own reads)
+    loader = run.loader
+    if callable(getattr(loader, "shared_state", None)):
+        outer.shared_state = loader.shared_state  # type: ignore[attr-defined]
+        outer.restore_shared = (  # type: ignore[attr-defined]
+            lambda shared: loader.load_shared(shared) if shared else None
+        )
 
 
 def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
@@ -169,10 +183,15 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
     membership = run.placement.membership
     record = None
     if membership is not None and membership.joining and isinstance(outer, ElasticOuterStep):
+        if membership.members_seen + 1 > cfg.data.slots:  # no data slot would be left for it
+            raise too_many_readers(membership.members_seen + 1, cfg.data.slots)
         record = load_members_state(run, outer)
         start = record.step
     else:
         start = run.resume(outer)
+        # the members share out the data slots (slots.py); a node alone reads them all
+        members = membership.mesh.global_members if membership else [run.placement.node.name]
+        run.loader.reassign(members)
     if start:
         log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
     if start >= cfg.train.steps:
@@ -201,6 +220,7 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     with StopSignal() as stop:
         while step < total:
             step += 1
+            faults.stall_training(step, log)  # a test's stuck node (off unless set)
             t = time.perf_counter()
             meter.add(run.inner_step(step))
             # with an outer step, checkpoints and stops wait for a boundary (synced weights)

@@ -1,9 +1,11 @@
 """One attempt at averaging the nodes' pseudo-gradients over the mesh's inter-node group.
 
-After the group changed (`regrouped`: the same on every member) the nodes first sum a
-two-number header: how many contribute a pseudo-gradient (a joiner's entry round does not) and
-their outer step counts, which must all be equal. The average is then over the contributors:
-every node scales the same bits by the same factor. Any failure is returned, not raised: the
+The nodes first sum an exact (uncompressed) header: whether each contributes a
+pseudo-gradient (a joiner's entry round does not), their outer step counts, which must all be
+equal, and, with data slots, how many sequences each read from each slot and not counted yet
+(`reads`: a few numbers per slot; only a contributor's count). Without `reads` the header is
+only sent after the group changed (`regrouped`: the same on every member) or by a joiner. The
+average is then over the contributors: every node scales the same bits by the same factor. Any failure is returned, not raised: the
 vote that follows tells every member, and all re-form and retry.
 """
 
@@ -32,6 +34,7 @@ class Averaged:
     contributors: int
     late: str | None = None
     mismatch: bool = False
+    consumed: list[float] | None = None  # per data slot, the contributors' reads (summed)
     behind: int = 0  # for a late joiner: outer steps the members applied that it has not
 
 
@@ -42,15 +45,19 @@ def average_pseudo_gradient(
     outer_steps: int,
     contributing: bool = True,
     regrouped: bool = False,
+    reads: list[int] | None = None,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
-    `outer_steps` is this node's count of applied outer steps."""
+    `outer_steps` is this node's count of applied outer steps; `reads`: this node's uncounted
+    reads per data slot."""
     t = time.monotonic()
     world = mesh.global_world_size
-    contributors, late, mismatch, behind = world, None, False, 0
+    contributors, late, mismatch, consumed, behind = world, None, False, None, 0
     try:
-        if regrouped or not contributing:
-            contributors, late, mismatch, behind = _header(mesh, contributing, outer_steps)
+        if regrouped or not contributing or reads is not None:
+            contributors, late, mismatch, consumed, behind = _header(
+                mesh, contributing, outer_steps, reads
+            )
         stats = prime_comm.all_reduce(
             pseudo_gradient,
             group=mesh.global_pg,
@@ -61,23 +68,27 @@ def average_pseudo_gradient(
         )
     except Exception as e:  # the vote tells every member; all re-form and retry
         mesh.record_collective(time.monotonic() - t, ok=False)
-        return Averaged(None, f"{type(e).__name__}: {e}", contributors, late, mismatch, behind)
+        error = f"{type(e).__name__}: {e}"
+        return Averaged(None, error, contributors, late, mismatch, consumed, behind)
     mesh.record_collective(time.monotonic() - t)
     if 0 < contributors < world:  # the average over the nodes that contributed
         pseudo_gradient.mul_(world / contributors)
     if not bool(torch.isfinite(pseudo_gradient).all()):
         error = "averaged pseudo-gradient is not finite"
-        return Averaged(stats, error, contributors, late, mismatch, behind)
-    return Averaged(stats, None, contributors, late, mismatch, behind)
+        return Averaged(stats, error, contributors, late, mismatch, consumed, behind)
+    return Averaged(stats, None, contributors, late, mismatch, consumed, behind)
 
 
 def _header(
-    mesh: ElasticDeviceMesh, contributing: bool, mine: int
-) -> tuple[int, str | None, bool, int]:
-    """Sum (contributes?, outer steps) over the group: (contributors, why this joiner is late,
-    whether some node's count differs, how many outer steps this joiner is behind)."""
+    mesh: ElasticDeviceMesh, contributing: bool, mine: int, reads: list[int] | None
+) -> tuple[int, str | None, bool, list[float] | None, int]:
+    """Sum (contributes?, outer steps, reads per slot) over the group: (contributors, why this
+    joiner is late, whether some node's count differs, the reads summed, how many outer steps
+    this joiner is behind). Float32 is exact here: a round's reads of a slot are far below
+    2**24."""
     world = mesh.global_world_size
-    header = torch.tensor([float(contributing), float(mine)], dtype=torch.float32)
+    counted = reads if (reads is not None and contributing) else [0] * len(reads or [])
+    header = torch.tensor([float(contributing), float(mine), *counted], dtype=torch.float32)
     prime_comm.all_reduce(
         header,
         group=mesh.global_pg,
@@ -94,4 +105,5 @@ def _header(
             "fetch outlasted a round. Rerun the same command to join again"
         )
         behind = round(others) - mine
-    return round(float(header[0])), late, mismatch, behind
+    consumed = header[2:].tolist() if reads is not None else None
+    return round(float(header[0])), late, mismatch, consumed, behind

@@ -35,13 +35,14 @@ from typing import Any
 import torch
 
 import prime_comm
+from prime_mesh import MeshTimeout
 from prime_train import faults
 from prime_train.diloco.outer_step import Diloco, JoinedLate
 from prime_train.seam import OuterStepReport
 
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
-             "late": "", "behind": 0}  # fmt: skip
+             "late": "", "behind": 0, "consumed": None, "members": []}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -76,6 +77,8 @@ class DelayedDiloco(Diloco):
         opt = self.optimizer
         self._last_step = step
         waited = self._wait()
+        if self.data is not None:
+            self.data.end_round()
         if self._round["state"] != "none":
             self._apply_round(step, waited)
             # θ <- θ + (O' - X): the round start becomes the new outer weights' offset
@@ -83,13 +86,17 @@ class DelayedDiloco(Diloco):
             opt.shift_model(self.round_start)
         else:  # the first round (or the first after a settle): no update to apply yet
             self.rounds.end_round()
+        reads = self.data.uncommitted() if self.data is not None else None
+        contributing = contributing and (reads is None or any(reads))  # read nothing: no part
         opt.compute_pseudo_gradient()  # P = O' - θ
+        if not contributing:
+            opt.pseudo_gradient.zero_()
         opt.copy_model_into(self.round_start)  # X = θ
         self._round = dict(_NO_ROUND, state="running", step=step)
         self._rounds += 1
         self._thread = threading.Thread(
             target=self._background_round,
-            args=(self._round, contributing),
+            args=(self._round, contributing, reads),
             name=f"prime-outer-{self._rounds}",
             daemon=True,
         )
@@ -105,13 +112,15 @@ class DelayedDiloco(Diloco):
         self.round_start.copy_(self.optimizer.weights)
         return report
 
-    def _background_round(self, rnd: dict[str, Any], contributing: bool) -> None:
+    def _background_round(
+        self, rnd: dict[str, Any], contributing: bool, reads: list[int] | None
+    ) -> None:
         """One attempt, in the background thread: sync point, all-reduce, vote."""
         mesh, t0 = self.mesh, time.monotonic()
         try:
             regrouped = mesh.maybe_reinit_global_pg()
             faults.hold_outer_round(rnd["step"], self.log)
-            got = self.average(regrouped, contributing)
+            got = self.average(regrouped, contributing, reads)
             committed = mesh.should_commit(got.error is None)
             rnd.update(
                 state="committed" if committed else "dropped",
@@ -124,17 +133,28 @@ class DelayedDiloco(Diloco):
                 error="" if committed else (got.error or "a peer failed"),
                 late=got.late or "",
                 behind=got.behind,
+                consumed=got.consumed,
+                members=list(mesh.global_members),
             )
         except BaseException as e:  # the mesh is gone (coordinator lost, closed): re-raised
             self._fatal = e
             rnd.update(state="failed", error=f"{type(e).__name__}: {e}")
 
     def _wait(self) -> float:
-        """Join the round in flight (if any); seconds the caller waited for it."""
+        """Join the round in flight (if any); seconds the caller waited for it. Every mesh
+        call in the round is bounded, so the round ends within the mesh's `round_bound()`
+        (plus a fault hook's hold): past it, MeshTimeout instead of a hang (the thread is
+        a daemon, and `close()` gives it one more bounded chance)."""
         if self._thread is None:
             return 0.0
         t = time.monotonic()
-        self._thread.join()
+        bound = self.mesh.round_bound() + faults.HOLD_ROUND_S
+        self._thread.join(bound)
+        if self._thread.is_alive():
+            raise MeshTimeout(
+                f"the background outer round of step {self._round['step']} did not end within "
+                f"{bound:.0f} s (the bound of its sync point, all-reduce and vote)"
+            )
         self._thread = None
         if self._fatal is not None:
             fatal, self._fatal = self._fatal, None
@@ -151,10 +171,13 @@ class DelayedDiloco(Diloco):
                 "every node: outer weights unchanged, each replica gives back its own update"
             )
             self.rounds.end_round()
+            if self.data is not None:
+                self.data.drop()
             return None
         if rnd["late"] and not self._catch_up_in_place(int(rnd["behind"])):
             raise JoinedLate(rnd["late"])  # the members committed; this joiner leaves
         self.optimizer.apply(to_model=False)
+        data = self._commit_data(rnd["consumed"], rnd["members"])
         stats = prime_comm.AllReduceStats(
             bytes_sent=int(rnd["bytes_sent"]),
             bytes_received=0,
@@ -170,7 +193,7 @@ class DelayedDiloco(Diloco):
             float(rnd["seconds"]),
             stats,
             int(rnd["contributors"]),
-            extra={"round_step": int(rnd["step"]), "waited_s": waited},
+            extra={"round_step": int(rnd["step"]), "waited_s": waited, **(data or {})},
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )
         # logged under its round's step: a joiner that replayed it joins the round after

@@ -81,6 +81,7 @@ def _on_primary(run: Run, fn):
 def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
     t = time.monotonic()
     run.load(record.snapshot_step, outer)
+    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
     record.step = record.snapshot_step
     record.load_seconds += time.monotonic() - t
 

@@ -83,6 +83,7 @@ class Membership:
                 heartbeat_interval=cfg.mesh.heartbeat_interval_s,
                 heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
                 coordinator_grace_s=cfg.mesh.coordinator_grace_s,
+                sync_timeout=cfg.diloco.sync_timeout_s or None,  # 0: the coordinator's auto
                 wait_until_ready="auto" if live_members is None else live_members > 0,
             )
         except BaseException:

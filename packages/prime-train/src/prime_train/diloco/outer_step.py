@@ -43,6 +43,7 @@ from prime_train.seam import OuterStepReport
 
 if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
+    from prime_train.slot_loader import SlotLoader
 
 
 class OuterStepFailed(RuntimeError):
@@ -73,10 +74,12 @@ class Diloco:
         log: Log | None = None,
         max_retries: int = 3,
         node_group: dist.ProcessGroup | None = None,
+        data: SlotLoader | None = None,
     ):
         """`params` are this rank's (sharded) parameters; `node_group` is the node's own process
-        group when it has several ranks (each averages its shard in its own inter-node group)."""
-        self.cfg, self.mesh, self.log = cfg, mesh, log
+        group when it has several ranks (each averages its shard in its own inter-node group);
+        `data`: the node's data slots, whose positions move with each committed round."""
+        self.cfg, self.mesh, self.log, self.data = cfg, mesh, log, data
         self.node_group = node_group if node_group and dist.get_world_size(node_group) > 1 else None
         self.optimizer = OuterOptimizer(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
         self.max_retries = max_retries
@@ -132,21 +135,29 @@ class Diloco:
         if self._started is None:
             raise RuntimeError("finish() without start()")
         step, t0 = self._started
+        reads = None
+        if self.data is not None:
+            self.data.end_round()
+            reads = self.data.uncommitted()
+            contributing = contributing and any(reads)  # a node that read nothing trained none
         errors: list[str] = []
         try:
             for attempt in range(1, self.max_retries + 2):
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
                     self.optimizer.compute_pseudo_gradient()
-                got = self.average(self.mesh.maybe_reinit_global_pg(), contributing)
+                if not contributing:
+                    self.optimizer.pseudo_gradient.zero_()
+                got = self.average(self.mesh.maybe_reinit_global_pg(), contributing, reads)
                 if self.mesh.should_commit(got.error is None):
                     if got.late is not None:
                         if not self._catch_up_in_place(got.behind):
                             raise JoinedLate(got.late)  # the members commit; this node leaves
                         step += got.behind * self.cfg.inner_steps  # the members' round
                     self.optimizer.apply()
+                    extra = self._commit_data(got.consumed, self.mesh.global_members)
                     seconds = time.monotonic() - t0
                     report = self.rounds.record(
-                        self.mesh, step, attempt, seconds, got.stats, got.contributors
+                        self.mesh, step, attempt, seconds, got.stats, got.contributors, extra
                     )
                     self.log_update(report)
                     return report
@@ -175,10 +186,12 @@ class Diloco:
         self.optimizer.pseudo_gradient.copy_(average)
         return True
 
-    def average(self, regrouped: bool, contributing: bool) -> Averaged:
+    def average(
+        self, regrouped: bool, contributing: bool, reads: list[int] | None = None
+    ) -> Averaged:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
         point (`regrouped`: the group changed there); `contributing` is False for a joiner's
-        first round."""
+        first round; `reads`: the node's uncounted reads per data slot."""
         got = average_pseudo_gradient(
             self.mesh,
             self.optimizer.pseudo_gradient,
@@ -186,6 +199,7 @@ class Diloco:
             self.rounds.outer_steps,
             contributing=contributing,
             regrouped=regrouped,
+            reads=reads,
         )
         if got.mismatch and contributing:
             self._warn("a node entered with another outer step count; it leaves")
@@ -246,6 +260,15 @@ class Diloco:
     def replayed(self, outer_sha256: str) -> None:
         """After a replay: tell the mesh where this node now is."""
         self.mesh.note_outer_step(self.outer_steps, outer_sha256)
+
+    def _commit_data(
+        self, consumed: list[float] | None, members: tuple[str, ...] | list[str]
+    ) -> dict[str, Any] | None:
+        """A committed round: move the data slots' positions by the counted reads and hand the
+        slots to `members`; the row's `data`: this node's counted reads, {slot: [from, to)}."""
+        if self.data is None or consumed is None:
+            return None
+        return {"data": self.data.commit(consumed, members)}
 
     # -- checkpoints and resuming -----------------------------------------------------------
 

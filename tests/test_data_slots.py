@@ -1,0 +1,134 @@
+"""Exactly-once data under churn, through the CLI: a joiner, a SIGKILLed node run again and a
+SIGSTOPped node that rejoins by itself; then, from every node's committed outer-step rows,
+each data slot's counted reads are one unbroken chain from 0 (no sequence read twice, none
+skipped) and every slot keeps advancing. Each node is its own process in its own folder."""
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from prime_mesh import Coordinator
+from prime_testkit import (
+    clean_env,
+    debug_args,
+    folder_metrics,
+    log_tails,
+    outer_by_step,
+    start_cli_node,
+    wait_until,
+)
+from prime_testkit.cli_node import CLI
+
+TOKEN = "data-slots-test-token"
+SLOTS = 12
+# long enough never to end by itself: the test stops the nodes (SIGTERM) after its last event
+NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": 10,
+        "args": ["--data.slots", str(SLOTS)]}  # fmt: skip
+
+
+def counted_reads(folders: list[Path]) -> dict[int, dict[int, tuple[int, int]]]:
+    """{outer step: {slot: (from, to)}} of every node's counted reads; fails on a slot read by
+    two nodes in one round."""
+    by_outer: dict[int, dict[int, tuple[int, int]]] = {}
+    for folder in folders:
+        for k, row in outer_by_step(folder_metrics(folder)).items():
+            for slot, (a, b) in row["data"].items():
+                got = by_outer.setdefault(k, {})
+                assert int(slot) not in got, f"outer step {k}: slot {slot} read by two nodes"
+                got[int(slot)] = (a, b)
+    return by_outer
+
+
+def check_chains(by_outer: dict[int, dict[int, tuple[int, int]]], stall: int) -> None:
+    """Each slot's reads, in outer-step order, follow on from 0 with no gap or overlap, and no
+    slot goes more than `stall` outer steps without being read."""
+    last = max(by_outer)
+    for slot in range(SLOTS):
+        at, since = 0, 0
+        for k in range(1, last + 1):
+            if slot in by_outer.get(k, {}):
+                a, b = by_outer[k][slot]
+                assert a == at and b > a, f"slot {slot} at outer step {k}: {a}..{b}, expected {at}"
+                at, since = b, 0
+            else:
+                since += 1
+                assert since <= stall, f"slot {slot} not read for {since} outer steps up to {k}"
+        assert at > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_every_slot_is_read_once_in_order_through_join_kill_and_stall(
+    tmp_path, token_cache, children
+):
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    folders = [tmp_path / f"node{k}" for k in range(3)]
+    try:
+        nodes = {}
+        for k in range(2):
+            nodes[k] = start_cli_node(children, folders[k], coordinator=coord.address,
+                                      cache=token_cache, **NODE)  # fmt: skip
+            wait_until(
+                lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers"
+            )
+
+        def outer_of(k: int) -> int:
+            return max(outer_by_step(folder_metrics(folders[k])), default=0)
+
+        def wait_outer(k: int, n: int, what: str, alive: tuple[int, ...] = (0, 1, 2)) -> None:
+            live = [nodes[i] for i in alive if i in nodes]
+            wait_until(lambda: outer_of(k) >= n or any(p.poll() is not None for p in live),
+                       240, what=what)  # fmt: skip
+            assert all(p.poll() is None for p in live), log_tails(tmp_path)
+
+        wait_outer(0, 2, "the founders' second outer step")
+        nodes[2] = start_cli_node(children, folders[2], coordinator=coord.address,
+                                  cache=token_cache, **NODE)  # fmt: skip
+        wait_until(lambda: any(r.get("joined") for r in folder_metrics(folders[2]))
+                   or nodes[2].poll() is not None, 240, what="the joiner's entry")  # fmt: skip
+        wait_outer(2, outer_of(0) + 2, "the joiner's second counted round")
+        nodes[1].send_signal(signal.SIGKILL)  # mid-round: its reads of this round never count
+        nodes[1].wait(timeout=30)
+        wait_outer(0, outer_of(0) + 2, "the others going on without node 1", alive=(0, 2))
+        nodes[1] = start_cli_node(children, folders[1], coordinator=coord.address,
+                                  cache=token_cache, **NODE)  # fmt: skip
+        wait_until(lambda: sum(bool(r.get("joined")) for r in folder_metrics(folders[1])) >= 1
+                   or nodes[1].poll() is not None, 240, what="node 1 back in")  # fmt: skip
+        wait_outer(1, outer_of(0) + 1, "node 1's first round back")
+        nodes[2].send_signal(signal.SIGSTOP)  # evicted, then rejoins by itself
+        try:
+            stalled = outer_of(0)
+            wait_until(lambda: outer_of(0) >= stalled + 2, 120, what="the others without node 2")
+        finally:
+            nodes[2].send_signal(signal.SIGCONT)
+        wait_until(lambda: any(r.get("rejoined") for r in folder_metrics(folders[2]))
+                   or nodes[2].poll() is not None, 240, what="node 2 rejoining")  # fmt: skip
+        wait_outer(2, outer_of(0) + 1, "node 2's first round back")
+        for p in nodes.values():  # each stops at its next outer boundary
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in nodes.values()]
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    by_outer = counted_reads(folders)
+    check_chains(by_outer, stall=3)
+    # the joiner's entry round and the killed node's last round count nothing
+    entries = [r for f in folders for r in folder_metrics(f) if r.get("joined")]
+    assert len(entries) >= 3, entries
+    for folder in folders:
+        hashes = {k: r["outer_sha256"] for k, r in outer_by_step(folder_metrics(folder)).items()}
+        theirs = outer_by_step(folder_metrics(folders[0]))
+        assert all(theirs[k]["outer_sha256"] == h for k, h in hashes.items() if k in theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_run_with_more_nodes_than_data_slots_is_refused(tmp_path, token_cache):
+    args = debug_args(tmp_path / "runs", token_cache, "--launch.local_nodes", "2",
+                      "--data.slots", "1", "--train.steps", "20")  # fmt: skip
+    r = subprocess.run([*CLI, *args], env=clean_env(PRIME_TOKEN=TOKEN), capture_output=True,
+                       text=True, timeout=180)  # fmt: skip
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "2 nodes but data.slots = 1" in r.stdout + r.stderr
