@@ -17,7 +17,8 @@ again, bytes sent per outer step vs the fp32 ring) and the "nothing lost" checks
 outer step rolled back, one weight hash per outer step across nodes, every node exiting 0,
 every namespace and process gone. A node that exits asking to be rerun (a joiner whose fetch
 outlasted a round) is rerun once or twice, as a supervisor would, and that is reported.
-Writes wan_chaos.json and wan_chaos.png into --out.
+Writes wan_chaos.json and wan_chaos.png into --out (default: a new temporary folder, so a run
+never overwrites the committed results; pass --out benchmarks/results to update those).
 Exits 1 when a check fails; without root it says so and exits 0.
 """
 
@@ -154,12 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout", type=float, default=4.0)
     ap.add_argument("--coordinator-grace", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=900.0, help="bound on each job, seconds")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="JSON + PNG")
+    ap.add_argument(
+        "--out", default=None, help="folder for the JSON + PNG (default: a new temporary one)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the working folders")
     args = ap.parse_args(argv)
     if args.quick:
-        # rounds of a few seconds: a joiner whose fetch outlasts a round still exits (issue #24)
-        args.nodes, args.steps, args.inner_steps, args.eval_every = 2, 600, 30, 150
+        # short rounds: a joiner whose fetch outlasts rounds replays them (issue #24)
+        args.nodes, args.steps, args.inner_steps, args.eval_every = 2, 300, 10, 50
     text = args.schedule or (schedule.QUICK if args.quick else schedule.DEFAULT)
     try:
         events = schedule.parse(text, args.nodes)
@@ -202,7 +205,7 @@ def num(x: float | None) -> str:
 
 def summarise(args, text, chaos, exits, left, calm, calm_left) -> dict:
     """Print the timeline, the figures and the checks; write the JSON and the PNG."""
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="wan_chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     checks = report.nothing_lost(chaos, exits, left)
     n = numel(args.model)

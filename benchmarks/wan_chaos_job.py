@@ -93,7 +93,8 @@ class Job:
                "--run.log_every", str(a.inner_steps),
                "--mesh.coordinator", self.coordinator,
                "--mesh.host", self.bed.ip(k),
-               "--mesh.node_name", f"node{k}"]  # fmt: skip
+               "--mesh.node_name", f"node{k}",
+               *getattr(a, "extra_args", [])]  # fmt: skip
         log = open(self.dir / f"node{k}.log", "a")  # noqa: SIM115 - the child holds it
         self.procs[k] = self.children.popen(
             self.bed.exec_prefix(k) + cmd, env=self.env(), stdout=log,

@@ -44,7 +44,7 @@ def test_quick_chaos_schedule_loses_nothing(tmp_path):
     assert checks["rollbacks"] == [] and checks["split_hashes"] == {}, checks
     assert checks["leftovers"] == [] and set(checks["exits"].values()) == {0}, checks
     assert result["ok"] is True
-    assert checks["outer_steps"] == result["outer_steps"] == 20  # 600 steps, H = 30
+    assert checks["outer_steps"] == result["outer_steps"] == 30  # 300 steps, H = 10
     assert result["undisturbed_left"] == []
     # (a joiner whose fetch outlasted a round exits asking to be rerun, and the script reruns
     # it, as a supervisor would: that is reported, not a fault of the schedule)

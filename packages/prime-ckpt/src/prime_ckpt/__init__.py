@@ -18,7 +18,14 @@ from prime_ckpt.errors import (
 from prime_ckpt.failures import CheckpointFailure
 from prime_ckpt.manager import CheckpointManager
 from prime_ckpt.manifest import committed_steps, step_dirname
-from prime_ckpt.peer import ask_donors, fetch_from_peer, resolve_token, serve_directory
+from prime_ckpt.peer import (
+    ask_donors,
+    fetch_from_peer,
+    fetch_side_file,
+    list_side_files,
+    resolve_token,
+    serve_directory,
+)
 from prime_ckpt.reader import CheckpointSource, read_tensor, tensor_paths
 from prime_ckpt.records import TIERS, CheckpointInfo, SaveHandle
 from prime_ckpt.state import is_dtensor, shard_rows
@@ -43,7 +50,9 @@ __all__ = [
     "ask_donors",
     "committed_steps",
     "fetch_from_peer",
+    "fetch_side_file",
     "is_dtensor",
+    "list_side_files",
     "read_tensor",
     "resolve_token",
     "serve_directory",

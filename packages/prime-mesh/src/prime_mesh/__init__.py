@@ -21,6 +21,7 @@ _EXPORTS = {
     "MeshNameTaken": "prime_mesh.errors",
     "MeshRefused": "prime_mesh.errors",
     "MeshTimeout": "prime_mesh.errors",
+    "RunCompleted": "prime_mesh.errors",
     "node_host": "prime_mesh.address",
     "query_status": "prime_mesh.status",
 }
@@ -37,6 +38,7 @@ __all__ = [
     "MeshNameTaken",
     "MeshRefused",
     "MeshTimeout",
+    "RunCompleted",
     "node_host",
     "query_status",
 ]
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
         MeshNameTaken,
         MeshRefused,
         MeshTimeout,
+        RunCompleted,
     )
     from prime_mesh.mesh import ElasticDeviceMesh
     from prime_mesh.status import query_status

@@ -22,6 +22,7 @@ from prime_mesh.errors import (
     MeshNameTaken,
     MeshRefused,
     MeshTimeout,
+    RunCompleted,
 )
 from prime_mesh.progress import MAX_PENDING
 from prime_mesh.wire import client_handshake, parse_address
@@ -102,13 +103,14 @@ class CoordinatorClient:
             self.check()
             raise
 
-    def leave(self) -> None:
-        """Tell the coordinator this node leaves the run. Best effort: over a lost connection
-        it does nothing, and the coordinator drops the node when its heartbeats stop."""
+    def leave(self, completed: bool = False) -> None:
+        """Tell the coordinator this node leaves the run (`completed`: it finished it). Best
+        effort: over a lost connection it does nothing, and the coordinator drops the node
+        when its heartbeats stop."""
         if self.failed:
             return
         try:
-            self.channel.send({"type": "leave"})
+            self.channel.send({"type": "leave", "completed": completed})
         except OSError:
             pass
 
@@ -134,9 +136,12 @@ class CoordinatorClient:
         assert reply is not None
         if "error" in reply:
             kind = reply.get("kind")
-            cls = {"refused": MeshRefused, "rejoin": MeshEvicted, "name_taken": MeshNameTaken}.get(
-                kind, MeshError
-            )
+            cls = {
+                "refused": MeshRefused,
+                "rejoin": MeshEvicted,
+                "name_taken": MeshNameTaken,
+                "completed": RunCompleted,
+            }.get(kind, MeshError)
             raise cls(f"coordinator at {self.address} refused: {reply['error']}")
         return reply
 

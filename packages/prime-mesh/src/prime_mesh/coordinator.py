@@ -277,6 +277,7 @@ class Coordinator:
                         "node_id": node.node_id,
                         "store": [self.advertise_host, self.store_port],
                         "epoch": self.state.epoch_info() if node.member else None,
+                        "joining": node.joining,
                     }
                 )
             elif node is None:
@@ -294,7 +295,7 @@ class Coordinator:
             elif kind == "vote":
                 self.state.vote(node, lr, conn, req, msg)
             elif kind == "leave":
-                self.state.evict(node, "left gracefully")
+                self.state.leave(node, bool(msg.get("completed")))
                 node = None
             else:
                 conn.send({"type": "reply", "id": req, "error": f"unknown message type {kind!r}"})

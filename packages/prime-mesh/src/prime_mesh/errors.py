@@ -13,6 +13,10 @@ class MeshRefused(MeshError):
     """The coordinator refused this node (e.g. its local_world_size or config hash differs)."""
 
 
+class RunCompleted(MeshRefused):
+    """The coordinator says the run is complete: its members finished every step."""
+
+
 class MeshNameTaken(MeshRefused):
     """Another live node of the run already goes by this node's name."""
 

@@ -31,7 +31,15 @@ from prime_mesh.address import check_name
 from prime_mesh.barrier import SyncWaits, checked_sync_timeout
 from prime_mesh.node import Conn, Node, name_held
 from prime_mesh.progress import History, page_of
-from prime_mesh.reform import NameTaken, Refused, Rejoin, Resume, plan_reform, resume_of
+from prime_mesh.reform import (
+    Completed,
+    NameTaken,
+    Refused,
+    Rejoin,
+    Resume,
+    plan_reform,
+    resume_of,
+)
 
 log = logging.getLogger("prime_mesh.coordinator")
 
@@ -59,6 +67,7 @@ class Membership:
         self._votes: dict[int, dict[tuple[str, int], tuple[Conn, int, bool]]] = {}
         self.waits = SyncWaits()  # how long late members are waited for (see barrier)
         self.history = History()
+        self.completed: str | None = None  # config hash of a run whose members finished it
 
     # ---- messages from nodes -------------------------------------------------------------
     def register(self, conn: Conn, msg: dict) -> Node:
@@ -94,6 +103,13 @@ class Membership:
                 f"config hash {metadata.get('config_hash')!r} differs from the run's "
                 f"{run.metadata.get('config_hash')!r}: start this node with the run's config"
             )
+        if (
+            self.completed is not None
+            and not self.members
+            and metadata.get("config_hash") == self.completed
+            and msg.get("resume") is None
+        ):
+            raise Completed("the run is complete: its members finished every step and left")
         hb = msg.get("heartbeat_timeout", 5.0)
         if not isinstance(hb, int | float):
             raise Refused("malformed registration (heartbeat_timeout)")
@@ -116,6 +132,10 @@ class Membership:
                 node_id = self._fresh_id(set(others))
             node = Node(key, node_id, lws, metadata, hb, sync_timeout=sync_timeout)
             node.resume = resume
+            # "auto": decided here, once per node, atomically with the registration: a node
+            # arriving while the run has members (or is being re-formed) joins it, waiting
+            # until it fetched their state; otherwise it is one of the nodes forming the run
+            node.joining = msg.get("ready") == "auto" and self.running()
             self.nodes[key] = node
         elif node.local_world_size != lws or lr in node.conns:
             raise Refused(
@@ -126,13 +146,25 @@ class Membership:
             node.address = conn.peer.rpartition(":")[0]
         node.conns[lr] = conn
         node.last_seen[lr] = self.clock()
-        if msg.get("ready", True) is not False:  # absent: a client from before the waiting state
+        ready = msg.get("ready", True)  # absent: a client from before the waiting state
+        if ready is not False and not (ready == "auto" and node.joining):
             node.ready_ranks.add(lr)
         log.info("%s local rank %d/%d registered from %s", node.node_id, lr, lws, conn.peer)
         if node.complete and not node.ready:
             log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
         self._maybe_queue(node)
         return node
+
+    def running(self) -> bool:
+        """Whether the run has members, or reconnected nodes are re-forming it."""
+        return bool(self.members) or any(n.resume is not None for n in self.nodes.values())
+
+    def leave(self, node: Node, completed: bool) -> None:
+        """`node` leaves gracefully; `completed`: it finished the run (a later registration
+        with the same config is told the run is complete)."""
+        if completed and node.member:
+            self.completed = node.metadata.get("config_hash")
+        self.evict(node, "left gracefully")
 
     def _fresh_id(self, taken: set[str]) -> str:
         """The next "node-N" for a node registered without a name (never a live node's)."""
@@ -341,6 +373,10 @@ class Membership:
             self._reform(resumes)
             return
         self._reform_since = None  # the reconnected nodes are gone again
+        if self.completed is not None and any(
+            self.nodes[k].metadata.get("config_hash") == self.completed for k in self.joiners
+        ):
+            return  # nodes of the completed run: nothing left to train (they are told so)
         if len(self.joiners) >= self.min_nodes:
             ids = ", ".join(self.nodes[k].node_id for k in self.joiners)
             self._new_epoch(
@@ -412,6 +448,7 @@ class Membership:
             "epoch": self.epoch,
             "min_nodes": self.min_nodes,
             "nodes": [view(self.nodes[k]) for k in ordered],
+            "completed": self.completed is not None and not self.members,
         }
 
     def page(self) -> dict:

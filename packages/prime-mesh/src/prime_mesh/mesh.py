@@ -31,7 +31,10 @@ class ElasticDeviceMesh:
     The constructor blocks until the node is admitted (at the members' next sync point, or
     when the run forms) unless `wait=False`. With `wait_until_ready=True` it returns once
     registered: the node waits, visible in `members()` but never admitted nor waited for,
-    until `ready()`. Either way the sync point that admits a node counts as its own: its
+    until `ready()`. With `wait_until_ready="auto"` the coordinator decides, atomically with
+    the registration: a node arriving while the run has members (or is being re-formed) waits
+    so (`joining` is True), one arriving before the run formed is one of its founders.
+    Either way the sync point that admits a node counts as its own: its
     first `maybe_reinit_global_pg()` returns the new group, so it enters the members' next
     collective (loop: sync point, then collective).
 
@@ -69,7 +72,7 @@ class ElasticDeviceMesh:
         local_world_size: int | None = None,
         node_key: str | None = None,
         wait: bool = True,
-        wait_until_ready: bool = False,
+        wait_until_ready: bool | str = False,
         join_timeout: float | None = 1800.0,
         name: str | None = None,
         connect_timeout: float = 10.0,
@@ -93,6 +96,8 @@ class ElasticDeviceMesh:
         self._pg: Any = None
         self._suspect = False
         self._vote_seq = 0
+        # "auto": the coordinator decides at registration (`joining`)
+        auto = wait_until_ready == "auto"
         self._ready = not wait_until_ready
         self._fresh = False  # admitted at a sync point the members passed, not yet used
         self._local_mesh: Any = None
@@ -114,7 +119,7 @@ class ElasticDeviceMesh:
             coordinator,
             key,
             register,
-            first={"ready": self._ready},
+            first={"ready": "auto" if auto else self._ready},
             host=host,
             local_rank=self.local_rank,
             heartbeat_interval=heartbeat_interval,
@@ -123,6 +128,8 @@ class ElasticDeviceMesh:
             pg_timeout=pg_timeout,
             sync_timeout=sync_timeout,
         )
+        if auto:
+            self._ready = not self._session.joining
         self.sync_timeout = sync_timeout
         try:
             log.info(
@@ -137,6 +144,12 @@ class ElasticDeviceMesh:
         except BaseException:
             self._session.client.close()
             raise
+
+    @property
+    def joining(self) -> bool:
+        """Registered with `wait_until_ready="auto"` while the run had members (or was being
+        re-formed): the coordinator made this node a joiner, waiting until `ready()`."""
+        return self._session.joining
 
     @property
     def node_id(self) -> str:
@@ -389,13 +402,15 @@ class ElasticDeviceMesh:
             self._local_mesh = make_local_mesh(self.local_world_size)
         return self._local_mesh
 
-    def close(self) -> None:
-        """Leave the run gracefully and at once; the other members see a new epoch."""
+    def close(self, completed: bool = False) -> None:
+        """Leave the run gracefully and at once; the other members see a new epoch.
+        `completed`: this node finished the run (a node registering later with the same
+        config is told so: `RunCompleted`)."""
         if self._session.closed:
             return
         if self._pg is not None:
             retire(self._pg)
-        self._session.close()
+        self._session.close(completed)
         log.info("%s local rank %d left the run", self.node_id, self.local_rank)
 
     def __enter__(self) -> ElasticDeviceMesh:

@@ -29,6 +29,7 @@ class Node:
     ready_ranks: set[int] = field(default_factory=set)
     resume: Resume | None = None  # reconnected after a coordinator restart (see reform)
     sync_timeout: float | None = None  # seconds it asked late members be waited for; None: auto
+    joining: bool = False  # registered "auto" into a running job: waits until ready()
 
     @property
     def complete(self) -> bool:

@@ -30,6 +30,12 @@ class Rejoin(Refused):
     kind = "rejoin"
 
 
+class Completed(Refused):
+    """The run this node registers for was completed by its members."""
+
+    kind = "completed"
+
+
 class NameTaken(Refused):
     """A live node of the run already goes by the name this node registered with."""
 

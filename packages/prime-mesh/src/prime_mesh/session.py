@@ -58,6 +58,7 @@ class Session:
         try:
             self.host = host or self.client.local_host
             self.node_id: str = reply["node_id"]
+            self.joining = bool(reply.get("joining"))  # the coordinator's "auto" decision
             if reply.get("epoch"):
                 self.note_epoch(reply["epoch"])
         except BaseException:
@@ -139,10 +140,11 @@ class Session:
             raise MeshClosed("this ElasticDeviceMesh was closed; create a new one to join again")
         self.client.check()
 
-    def close(self) -> None:
-        """Leave the run (best effort) and close the connection."""
+    def close(self, completed: bool = False) -> None:
+        """Leave the run (best effort; `completed`: this node finished it) and close the
+        connection."""
         self.closed = True
-        self.client.leave()
+        self.client.leave(completed)
         self.client.close()
 
 

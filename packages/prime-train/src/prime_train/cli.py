@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         except (MeshError, OSError) as e:  # the status page: extra missing, port taken
             return _fail(str(e))
 
-    from prime_mesh import MeshError
+    from prime_mesh import MeshError, RunCompleted
     from prime_train.diloco import OuterStepFailed
     from prime_train.rundir import RunDirError
     from prime_train.tokens import DataError
@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"config error: {e}")
     except (RunDirError, DataError) as e:
         return _fail(str(e))
+    except RunCompleted as e:  # nothing left to do: not a failure
+        print(f"prime-train: {e}; nothing to do", file=sys.stderr)
+        return 0
     except (MeshError, OuterStepFailed) as e:
         print(f"prime-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

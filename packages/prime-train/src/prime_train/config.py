@@ -183,6 +183,13 @@ class MeshConfig(Section):
         description="TCP port of the server sharing this node's checkpoints with joining "
         "peers (0: a free one; the local launcher's node K uses serve_port + K)",
     )
+    serve_mbit: float = Field(
+        500.0,
+        ge=0.0,
+        description="cap on the rate this node serves its checkpoints and update log to "
+        "joiners, Mbit/s, all joiners together (0: no cap); default: half a 1 Gbit/s uplink, "
+        "so a transfer never starves the members' all-reduce. Set it to about half your link",
+    )
     node_name: str | None = Field(
         None,
         description="this node's name in the run, unique, the same across restarts (default: "
@@ -265,6 +272,13 @@ class DilocoConfig(Section):
     rejoin_wait_s: float = Field(
         300.0, gt=0.0, description="how long such a node waits for the coordinator and members"
     )
+    replay_rounds: int = Field(
+        8,
+        ge=0,
+        description="K: committed updates (averaged pseudo-gradients) each node keeps on disk "
+        "and serves, so a joiner whose checkpoint took up to K rounds to arrive replays them "
+        "and enters (4 bytes per parameter each; 0: none, a late joiner takes a newer one)",
+    )
 
     @model_validator(mode="after")
     def _feedback(self) -> DilocoConfig:
@@ -330,7 +344,8 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     # micro_batch_size: memory, not the math; stop_within_s: a node's own patience
     "train": ("threads", "device", "micro_batch_size", "stop_within_s"),
     "ckpt": ("dir", "shm_dir", "remote", "keep"),
-    "diloco": ("max_rejoins", "rejoin_wait_s"),  # a node's own patience, not the math
+    # a node's own patience and disk, not the math
+    "diloco": ("max_rejoins", "rejoin_wait_s", "replay_rounds"),
 }
 
 # settings added after runs existed: part of the hash only when on, so that leaving them off

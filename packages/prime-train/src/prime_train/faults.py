@@ -8,6 +8,7 @@ environment itself.
 | --- | --- |
 | `PRIME_TRAIN_FAULT_HOLD_ROUND_S` | with `overlap = "delayed"`, every background outer round waits this many seconds between its sync point and its all-reduce, so that a test can kill or stop a node while a round is in flight |
 | `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
+| `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ HOLD_ROUND_S = _seconds(HOLD_ROUND_ENV)  # read once, when the trainer starts
 STALL_AT_STEP_ENV, STALL_S_ENV = "PRIME_TRAIN_FAULT_STALL_AT_STEP", "PRIME_TRAIN_FAULT_STALL_S"
 STALL_UNTIL_ENV = "PRIME_TRAIN_FAULT_STALL_UNTIL"
 _stall = [int(_seconds(STALL_AT_STEP_ENV)), _seconds(STALL_S_ENV)]  # [step, seconds]: once
+JOIN_READY_DELAY_ENV = "PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S"
+_join_ready_delay = [_seconds(JOIN_READY_DELAY_ENV)]  # used up by the first join
 
 
 def hold_outer_round(step: int, log: Log | None) -> None:
@@ -55,3 +58,13 @@ def stall_training(step: int, log: Log | None) -> None:
         time.sleep(0.1)
     if log is not None:
         log.info(f"fault hook: the training thread goes on at step {step}")
+
+
+def delay_first_ready(log: Log | None) -> None:
+    """`PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S`: the first join of this process says `ready()`
+    that much later (it is then admitted a round late)."""
+    delay, _join_ready_delay[0] = _join_ready_delay[0], 0.0
+    if delay:
+        if log is not None:
+            log.info(f"holding ready() for {delay:g} s")
+        time.sleep(delay)

@@ -131,6 +131,8 @@ def train(
                 node_group=placement.group,
                 data=run.loader,
             )
+        if outer is not None and membership is not None:
+            attach_replay_log(run, outer)
         attach_reporting(cfg, run)
         return train_loop(run, outer)
     finally:
@@ -142,6 +144,34 @@ def train(
         finally:
             lines.detach()
         placement.close()
+
+
+def attach_replay_log(run: Run, outer: OuterStep) -> None:
+    """Give a DiLoCo step its update log (`diloco/replay_log.py`), whose entries
+    a joiner holds through this node's checkpoint server (whichever registration is live)."""
+    from prime_train.diloco.membership import replay_dir
+    from prime_train.diloco.replay_log import ReplayLog
+
+    keep = run.cfg.diloco.replay_rounds
+    if keep <= 0 or not hasattr(outer, "replay_log"):
+        return
+    placement = run.placement
+
+    def held_from() -> str | None:
+        m = placement.membership
+        return m.server.held_from() if m is not None and m.server is not None else None
+
+    outer.replay_log = ReplayLog(  # type: ignore[attr-defined]
+        replay_dir(run.ckpt_dir), placement.rank, keep, held_from if run.primary else None
+    )
+    # each entry carries the data slots' shared state after its round; a joiner takes the
+    # last one it replays (none of the members' own reads)
+    loader = run.loader
+    if callable(getattr(loader, "shared_state", None)):
+        outer.shared_state = loader.shared_state  # type: ignore[attr-defined]
+        outer.restore_shared = (  # type: ignore[attr-defined]
+            lambda shared: loader.load_shared(shared) if shared else None
+        )
 
 
 def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
@@ -226,6 +256,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 )
                 break
     run.ckpt.wait()
+    if step >= total and run.placement.membership is not None:
+        run.placement.membership.completed = True  # said when it leaves: later nodes are told
     end = LoopEnd(
         step=step,
         start=start,

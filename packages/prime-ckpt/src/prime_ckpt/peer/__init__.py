@@ -8,6 +8,7 @@ from prime_ckpt.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneErr
 from prime_ckpt.peer.auth import resolve_token
 from prime_ckpt.peer.fetch import ask_donors, fetch_from_peer
 from prime_ckpt.peer.server import PeerServer, serve_directory
+from prime_ckpt.peer.side_files import fetch_side_file, list_side_files
 
 __all__ = [
     "NoPeerError",
@@ -17,6 +18,8 @@ __all__ = [
     "PeerServer",
     "ask_donors",
     "fetch_from_peer",
+    "fetch_side_file",
+    "list_side_files",
     "resolve_token",
     "serve_directory",
 ]

@@ -5,6 +5,7 @@ Routes (all GET, all authenticated, see `auth`):
   verifies, re-evaluated on every call; the response is signed back with the run token.
 - `/v1/ckpt/<step>/<digest>/<file>`: bytes of one file of that exact checkpoint, with Range
   support. A step that was pruned, or whose manifest no longer has that digest, is a 410.
+- `/v1/files[?hold=NAME]`, `/v1/files/<name>`: side files, when served (`side_files`).
 
 Every index or file request writes or renews a lease on the step (`manifest.write_lease`), so
 the donor's CheckpointManager does not prune a step while a peer is downloading it.
@@ -26,6 +27,7 @@ import msgpack
 from prime_ckpt.errors import PeerAuthError, PeerBusy, PeerGone, PeerRefused
 from prime_ckpt.peer.auth import H_RESP_AUTH, Verifier, resolve_token, sign_response
 from prime_ckpt.peer.catalog import Catalog
+from prime_ckpt.peer.side_files import SideFiles, route
 
 log = logging.getLogger("prime_ckpt.peer")
 
@@ -98,6 +100,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if self.path == "/v1/index":
                 return self._index(peer, nonce)
+            side = route(self.path) if peer.side_files is not None else None
+            if side is not None:
+                return self._side(peer, nonce, *side)
             m = _FILE_RE.match(self.path)
             if not m:
                 return self._text(404, f"no such route {self.path!r}")
@@ -123,6 +128,28 @@ class _Handler(BaseHTTPRequestHandler):
             {"step": offer.step, "digest": offer.digest, "manifest": offer.manifest_bytes},
             use_bin_type=True,
         )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/msgpack")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header(H_RESP_AUTH, peer.sign(nonce, body))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _side(self, peer: PeerServer, nonce: str, kind: str, arg: str | None) -> None:
+        """A side-file route (see `side_files`): the signed listing, or one file."""
+        files = peer.side_files
+        assert files is not None
+        if kind == "file":
+            path, size = files.resolve(unquote(arg or ""))
+            return self._send_file(peer, path, size)
+        if kind == "release" and arg:
+            files.release(arg)
+        elif arg:
+            try:
+                files.hold(arg)
+            except ValueError as e:
+                return self._text(400, str(e))
+        body = msgpack.packb({"files": files.listing()}, use_bin_type=True)
         self.send_response(200)
         self.send_header("Content-Type", "application/msgpack")
         self.send_header("Content-Length", str(len(body)))
@@ -230,6 +257,7 @@ class PeerServer:
         advertise_host: str | None = None,
         max_bytes_per_s: float | None = None,
         lease_s: float = 120.0,
+        files_dir: str | Path | None = None,
     ) -> None:
         self._token = resolve_token(token)
         self.disk_dir = Path(disk_dir)
@@ -246,6 +274,8 @@ class PeerServer:
         if max_bytes_per_s is not None and max_bytes_per_s <= 0:
             raise ValueError(f"max_bytes_per_s must be positive or None, got {max_bytes_per_s}")
         self.catalog = Catalog(self.disk_dir, lease_s)
+        # side files (`side_files`): e.g. a job's log of committed updates, under the same cap
+        self.side_files = SideFiles(files_dir, lease_s) if files_dir is not None else None
         self.index_budget_s = 5.0  # how long an index request waits for a verification
         self._verifier = Verifier(self._token)
         self._closing = threading.Event()
@@ -287,6 +317,10 @@ class PeerServer:
         with self._sent_lock:
             self._sent += n
 
+    def held_from(self) -> str | None:
+        """The first side-file name a fetcher asked this donor to keep (None: none)."""
+        return self.side_files.held_from() if self.side_files is not None else None
+
     def authenticate(self, method: str, path: str, headers) -> str:
         """The nonce of a request that passes authentication; PeerAuthError (with the HTTP
         status to answer) if it does not."""
@@ -324,10 +358,15 @@ def serve_directory(
     token: str | bytes | None = None,
     advertise_host: str | None = None,
     max_bytes_per_s: float | None = None,
+    files_dir: str | Path | None = None,
 ) -> PeerServer:
     """Share the newest committed checkpoint under `disk_dir` with joining peers.
 
     `token` defaults to $PRIME_TOKEN. Serving on a wildcard address (0.0.0.0, ::) needs
-    `advertise_host`, the address put in `.url`. `max_bytes_per_s` caps the upload rate.
+    `advertise_host`, the address put in `.url`. `max_bytes_per_s` caps the upload rate (all
+    connections and routes together). `files_dir`: also serve the side files in that folder
+    (see `prime_ckpt.peer.side_files`).
     """
-    return PeerServer(disk_dir, host, port, token, advertise_host, max_bytes_per_s)
+    return PeerServer(
+        disk_dir, host, port, token, advertise_host, max_bytes_per_s, files_dir=files_dir
+    )

@@ -35,6 +35,7 @@ class Averaged:
     late: str | None = None
     mismatch: bool = False
     consumed: list[float] | None = None  # per data slot, the contributors' reads (summed)
+    behind: int = 0  # for a late joiner: outer steps the members applied that it has not
 
 
 def average_pseudo_gradient(
@@ -53,10 +54,12 @@ def average_pseudo_gradient(
     `diloco/error_feedback.py`)."""
     t = time.monotonic()
     world = mesh.global_world_size
-    contributors, late, mismatch, consumed = world, None, False, None
+    contributors, late, mismatch, consumed, behind = world, None, False, None, 0
     try:
         if regrouped or not contributing or reads is not None:
-            contributors, late, mismatch, consumed = _header(mesh, contributing, outer_steps, reads)
+            contributors, late, mismatch, consumed, behind = _header(
+                mesh, contributing, outer_steps, reads
+            )
         stats = prime_comm.all_reduce(
             pseudo_gradient,
             group=mesh.global_pg,
@@ -68,22 +71,24 @@ def average_pseudo_gradient(
         )
     except Exception as e:  # the vote tells every member; all re-form and retry
         mesh.record_collective(time.monotonic() - t, ok=False)
-        return Averaged(None, f"{type(e).__name__}: {e}", contributors, late, mismatch, consumed)
+        error = f"{type(e).__name__}: {e}"
+        return Averaged(None, error, contributors, late, mismatch, consumed, behind)
     mesh.record_collective(time.monotonic() - t)
     if 0 < contributors < world:  # the average over the nodes that contributed
         pseudo_gradient.mul_(world / contributors)
     if not bool(torch.isfinite(pseudo_gradient).all()):
         error = "averaged pseudo-gradient is not finite"
-        return Averaged(stats, error, contributors, late, mismatch, consumed)
-    return Averaged(stats, None, contributors, late, mismatch, consumed)
+        return Averaged(stats, error, contributors, late, mismatch, consumed, behind)
+    return Averaged(stats, None, contributors, late, mismatch, consumed, behind)
 
 
 def _header(
     mesh: ElasticDeviceMesh, contributing: bool, mine: int, reads: list[int] | None
-) -> tuple[int, str | None, bool, list[float] | None]:
+) -> tuple[int, str | None, bool, list[float] | None, int]:
     """Sum (contributes?, outer steps, reads per slot) over the group: (contributors, why this
-    joiner is late, whether some node's count differs, the reads summed). Float32 is exact
-    here: a round's reads of a slot are far below 2**24."""
+    joiner is late, whether some node's count differs, the reads summed, how many outer steps
+    this joiner is behind). Float32 is exact here: a round's reads of a slot are far below
+    2**24."""
     world = mesh.global_world_size
     counted = reads if (reads is not None and contributing) else [0] * len(reads or [])
     header = torch.tensor([float(contributing), float(mine), *counted], dtype=torch.float32)
@@ -95,12 +100,13 @@ def _header(
         timeout=mesh.collective_timeout(),
         should_abort=mesh.should_abort,
     )
-    late, mismatch = None, float(header[1]) != float(world * mine)
+    late, mismatch, behind = None, float(header[1]) != float(world * mine), 0
     if mismatch and not contributing:
         others = (float(header[1]) - mine) / max(world - 1, 1)
         late = (
             f"admitted after {others:.0f} outer steps but loaded the state of {mine}: the "
             "fetch outlasted a round. Rerun the same command to join again"
         )
+        behind = round(others) - mine
     consumed = header[2:].tolist() if reads is not None else None
-    return round(float(header[0])), late, mismatch, consumed
+    return round(float(header[0])), late, mismatch, consumed, behind

@@ -47,7 +47,7 @@ from prime_train.seam import OuterStepReport
 
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
-             "late": "", "consumed": None, "members": []}  # fmt: skip
+             "late": "", "behind": 0, "consumed": None, "members": []}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -138,6 +138,7 @@ class DelayedDiloco(Diloco):
                 contributors=got.contributors,
                 error="" if committed else (got.error or "a peer failed"),
                 late=got.late or "",
+                behind=got.behind,
                 consumed=got.consumed,
                 members=list(mesh.global_members),
             )
@@ -179,8 +180,8 @@ class DelayedDiloco(Diloco):
             if self.data is not None:
                 self.data.drop()
             return None
-        if rnd["late"]:  # the members committed; this joiner cannot use it and leaves
-            raise JoinedLate(rnd["late"])
+        if rnd["late"] and not self._catch_up_in_place(int(rnd["behind"])):
+            raise JoinedLate(rnd["late"])  # the members committed; this joiner leaves
         self.optimizer.apply(to_model=False)
         data = self._commit_data(rnd["consumed"], rnd["members"])
         stats = prime_comm.AllReduceStats(
@@ -191,7 +192,7 @@ class DelayedDiloco(Diloco):
             world_size=int(rnd["nodes"]),
             compression=self.cfg.compression,
         )
-        return self.rounds.record(
+        report = self.rounds.record(
             self.mesh,
             step,
             1,
@@ -206,6 +207,9 @@ class DelayedDiloco(Diloco):
             },
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )
+        # logged under its round's step: a joiner that replayed it joins the round after
+        self.log_update(report, step=int(rnd["step"]))
+        return report
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -227,6 +231,15 @@ class DelayedDiloco(Diloco):
                 buf.copy_(state[key])
         self._round = dict(_NO_ROUND, **state["round"])
 
+    def replay(self, entry) -> str | None:
+        """A logged update (see `Diloco.replay`); a loaded round still pending is dropped
+        first (it is the first entry replayed), and the replica restarts from the outer
+        weights, as after `finish`."""
+        self._round = dict(_NO_ROUND)
+        problem = super().replay(entry)
+        self.round_start.copy_(self.optimizer.weights)
+        return problem
+
     def rollback_to_outer(self) -> None:
         """The outer weights into the model with no round in flight or pending: the round whose
         end raised (the coordinator gone) is dropped, and the next `start` begins afresh."""
@@ -243,3 +256,4 @@ class DelayedDiloco(Diloco):
             if self._thread.is_alive():
                 self._warn(f"the background outer round did not end within {timeout:g} s")
             self._thread, self._fatal = None, None
+        super().close()  # the update log's last write

@@ -1,189 +1,352 @@
 """Joining a running job through live checkpoint recovery, start to finish: register, fetch,
-load, enter. A new node, one restarted after it died, and one rejoining by itself after it lost
-its membership (`diloco/rejoin.py`) all take this path.
+catch up, enter. A new node, one restarted after it died, and one rejoining by itself after it
+lost its membership (`diloco/rejoin.py`) all take this path.
 
 1. Register (`diloco.membership.register`, while the placement is built, before the model:
    the node's index comes from it): a node that finds live members registers *waiting*
    (`Membership.join`): the members never wait for it.
-2. While a node waits, every member checkpoints at each outer boundary (the outer step's
-   `joiners_waiting`, checked by the loop), so a donor's newest checkpoint holds the outer
-   weights and momentum the members start the current round from.
-3. Fetch (`fetch_members_state`, on the node's local rank 0): the joiner notes the donor's
-   newest step when it starts, and waits for a newer one: that one was made at a boundary
-   after it registered, so it is the current round's start. It fetches that checkpoint
-   (`prime_ckpt.fetch_from_peer`: verified, resumable) into its own checkpoint folder, beside
-   its older ones (nothing is removed before it verifies). If the donor made a newer one
-   meanwhile it fetches again.
-4. Load (`load_members_state`): every local rank loads it and the node says `ready()`.
-5. Enter (`enter_running_job`): the members admit it at their next sync point, the end of that
-   round. The joiner takes its first round at once (the outer step's `enter`): its model
-   equals the outer weights it loaded, so its pseudo-gradient is zero; the members average
-   over the nodes that contributed, and all apply the same update to the same outer weights:
-   the same bits everywhere. A joiner admitted a round late (its fetch outlasted a round)
-   leaves with `JoinedLate` instead of diverging.
+2. Every member keeps the committed updates of its last `diloco.replay_rounds` rounds (its
+   update log, `diloco/replay_log.py`) and serves them beside its checkpoints; while a node
+   waits, members also checkpoint at each outer boundary (the outer step's `joiners_waiting`).
+3. Fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
+   newest checkpoint (`prime_ckpt.fetch_from_peer`: verified, resumable, under the donor's
+   serving cap) at its own pace, however many rounds that takes, into its own checkpoint
+   folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
+   (`catch_up.Holder`) so the ones it will need are not pruned.
+4. Load and catch up (`load_members_state`): every local rank loads the checkpoint, then
+   replays the members' committed updates since it (`catch_up`), each checked against the
+   members' outer weights' hash, until the donors offer no newer one; then it says `ready()`.
+   A log that no longer reaches the checkpoint, or a hash that differs, takes a newer
+   checkpoint (a second mismatch exits with a line naming it).
+5. Enter (`enter_running_job`): the members admit it at their next sync point. The joiner takes
+   its first round at once (the outer step's `enter`): its model equals the outer weights it
+   reached, so its pseudo-gradient is zero; the members average over the nodes that
+   contributed, and all apply the same update to the same outer weights: the same bits
+   everywhere. A joiner admitted late (the members committed once more between its last
+   replay and its admission) replays the rounds it missed at once, as a member, and takes the
+   round with them (`replay_in_place`, the outer step's `late_catch_up`); if it cannot, it
+   leaves, registers again, replays the rounds since and asks again (`JoinedLate` only after
+   `MAX_LATE` such tries).
+   With `overlap = "delayed"` steps 2-4 are today's older ones: the joiner waits for a
+   checkpoint made after it registered and leaves with `JoinedLate` if admitted late.
 
 What happened is one typed record, `JoinRecord`, logged and written as the entry's metrics row.
+The snapshot's fetch is `diloco/snapshot.py`; fetching and holding log entries, `catch_up.py`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from prime_ckpt import PeerError, ask_donors, fetch_from_peer, resolve_token, step_dirname
-from prime_train.diloco.membership import Membership
-from prime_train.metrics import Log
-from prime_train.rundir import RunDirError
+from prime_ckpt import PeerError
+from prime_train import faults
+from prime_train.diloco.catch_up import Fetched, Holder, fetch_entries, read_entry
+from prime_train.diloco.outer_step import JoinedLate
+from prime_train.diloco.snapshot import (
+    JOIN_TIMEOUT_S,
+    JoinFailed,
+    JoinRecord,
+    fetch_members_state,
+    members_left,
+)
 from prime_train.seam import ElasticOuterStep
 
 if TYPE_CHECKING:
     from prime_train.run import Run
 
-JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's fresh checkpoint
-POLL_S = 0.2
+MAX_LATE = 10  # admissions a round too late (then catching up again) before giving up
+LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
 
 
-class JoinFailed(RunDirError):
-    """No member could give this node the run's state in time."""
+def replaying(outer: ElasticOuterStep) -> bool:
+    """Whether this joiner catches up by replaying the members' update logs (Prime's DiLoCo
+    steps, synchronous and delayed; another outer step waits for a fresh checkpoint)."""
+    return callable(getattr(outer, "replay", None))
 
 
-@dataclass
-class JoinRecord:
-    """What a joiner fetched and loaded: the members' checkpoint of inner step `step`."""
-
-    step: int
-    donor: str | None
-    bytes: int
-    seconds: float  # fetching
-    load_seconds: float = 0.0
-    rejoined: int | None = None  # the how-manieth rejoin by itself (None: a fresh join)
+def _on_primary(run: Run, fn):
+    """`fn()` on the node's local rank 0, its result on every local rank."""
+    got = [fn() if run.primary else None]
+    if run.placement.world_size > 1:
+        dist.broadcast_object_list(got, src=0, group=run.placement.group)
+    return got[0]
 
 
-def _newest(urls: list[str], token: str | None) -> int | None:
-    """The newest step any of `urls` offers (None: none offers one yet)."""
-    try:
-        return max(o.step for o in ask_donors(urls, resolve_token(token), 10.0))
-    except PeerError:
-        return None
+def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
+    t = time.monotonic()
+    run.load(record.snapshot_step, outer)
+    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
+    record.step = record.snapshot_step
+    record.load_seconds += time.monotonic() - t
 
 
-def _newest_first(donors: list[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:
-    """`(node_id, url)` donors ordered by the step each offers, newest first: a member that
-    has not yet written this round's checkpoint would hand over the previous round's."""
-    steps = {url: _newest([url], token) for _, url in donors}
-    return sorted(donors, key=lambda d: -1 if steps[d[1]] is None else steps[d[1]], reverse=True)
+def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: str) -> None:
+    """Fetch and load a checkpoint newer than the record's snapshot (on every local rank)."""
+    run.log.warn(f"{why}: fetching a newer checkpoint")
+    membership = run.placement.membership
+    assert membership is not None
+    got = _on_primary(
+        run,
+        lambda: fetch_members_state(
+            membership, run.ckpt_dir, run.log, newer_than=record.snapshot_step, fresh=False
+        ),
+    )
+    record.snapshot_step, record.donor = got.snapshot_step, got.donor
+    record.bytes += got.bytes
+    record.seconds += got.seconds
+    record.snapshots += 1
+    _load(run, outer, record)
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
-def fetch_members_state(membership: Membership, ckpt_dir: Path, log: Log) -> JoinRecord:
-    """Step 3 of the module doc, on the node's local rank 0: what was fetched."""
-    token = membership.token
+def catch_up(
+    run: Run,
+    outer: ElasticOuterStep,
+    record: JoinRecord,
+    holder: Holder | None,
+    need: int | None = None,
+) -> None:
+    """Replay the members' committed updates since the loaded state, until the donors offer
+    no newer one (and at least up to outer step `need`): see `diloco/catch_up.py`. A log that
+    no longer reaches the state, or a replay whose hash differs, takes a newer checkpoint;
+    a second mismatch is JoinFailed naming it."""
+    membership = run.placement.membership
+    assert membership is not None
+    ranks = run.placement.world_size
+    folder = run.ckpt_dir / "replay-in"
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    baseline: int | None = None
-    baseline_known = False
+    mismatches, waited_since, gone_since = 0, None, None
     while True:
-        donors = membership.donors()
-        if donors:
-            urls = [u for _, u in donors]
-            newest = _newest(urls, token)
-            if not baseline_known:
-                baseline, baseline_known = newest, True
-                log.info(
-                    f"joining a running job: {len(donors)} member(s); waiting for a checkpoint "
-                    f"newer than step {baseline} (made at an outer boundary while this node waits)"
-                )
-            elif newest is not None and (baseline is None or newest > baseline):
-                break
-        if baseline_known and not donors:
-            raise JoinFailed(
-                "the running job's members left (finished or died) before this node could "
-                "fetch their state; rerun the same command to resume with the others"
-            )
+        after = outer.outer_steps  # type: ignore[attr-defined]
+        if holder is not None:
+            holder.first = after + 1
+            holder.renew()
+        t0 = time.monotonic()
+        got = _on_primary(run, lambda a=after: fetch_entries(membership, a, ranks, folder))
         if time.monotonic() > deadline:
             raise JoinFailed(
-                f"no member offered a fresh checkpoint within {JOIN_TIMEOUT_S:.0f} s "
-                f"(members: {[n for n, _ in donors] or 'none'}); check that the members run and "
-                "that their checkpoint servers are reachable from this machine"
+                f"could not catch up with the members within {JOIN_TIMEOUT_S:.0f} s (at outer "
+                f"step {after}); check this machine's link to them, then rerun the same command"
             )
-        time.sleep(POLL_S)
-
-    t0 = time.monotonic()
-    step, donor, errors = None, None, []
-    for _ in range(3):  # the donor made a newer checkpoint meanwhile: fetch that one
-        for node_id, url in _newest_first(membership.donors(), token):
-            try:
-                step = fetch_from_peer([url], ckpt_dir, token=token)
-                donor = node_id
+        if got.stale:
+            _newer_snapshot(run, outer, record, f"the members' update logs no longer reach "
+                            f"outer step {after + 1}")  # fmt: skip
+            continue
+        if not got.outer_steps:
+            gone_since = gone_since or time.monotonic()
+            left = _on_primary(
+                run,
+                lambda s=gone_since: None if membership.donors() else members_left(membership, s),
+            )
+            if left is not None:
+                raise left
+            if need is None or after >= need:
                 break
-            except (PeerError, OSError) as e:  # this donor died or refused: the next one
-                errors.append(f"{node_id}: {e}")
-        if step is None:
-            raise JoinFailed(f"fetching the members' checkpoint failed: {'; '.join(errors)}")
-        newer = _newest([u for _, u in membership.donors()], token)
-        if newer is None or newer <= step:
+            waited_since = waited_since or time.monotonic()
+            if time.monotonic() - waited_since > 30.0:  # the members keep no log (K = 0)
+                _newer_snapshot(run, outer, record, f"no update after outer step {after} came")
+                waited_since = None
+            time.sleep(1.0)
+            continue
+        gone_since = None
+        problem = _replay(run, outer, record, got, folder, t0)
+        if problem is not None:
+            mismatches += 1
+            if mismatches > 1:
+                raise JoinFailed(
+                    f"replaying the members' committed updates does not reproduce their outer "
+                    f"weights ({problem}); this node cannot join them: run it with the same "
+                    "torch build and CPU kind as the members"
+                )
+            _newer_snapshot(run, outer, record, f"replay mismatch: {problem}")
+
+
+def _replay(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Fetched, folder: Path, t0: float
+) -> str | None:
+    """Every local rank replays its fetched entries (`got`, in `folder`); None when all
+    matched the members' hashes (the record then says so), else the first mismatch."""
+    ranks, rank = run.placement.world_size, run.placement.rank
+    problem, last = None, None
+    for o in got.outer_steps:
+        entry = read_entry(folder, o, rank)
+        problem = outer.replay(entry)  # type: ignore[attr-defined]
+        if problem is not None:
             break
-    seconds = time.monotonic() - t0
-    size = _folder_bytes(ckpt_dir / step_dirname(step))
-    return JoinRecord(step=step, donor=donor, bytes=size, seconds=seconds)
+        last = entry
+    problems = [problem]
+    if ranks > 1:
+        problems = [None] * ranks
+        dist.all_gather_object(problems, problem, group=run.placement.group)
+    problem = next((p for p in problems if p), None)
+    if run.primary:
+        shutil.rmtree(folder, ignore_errors=True)
+    if problem is not None:
+        return problem
+    assert last is not None
+    outer.replayed(last.outer_sha256)  # type: ignore[attr-defined]
+    record.replayed += len(got.outer_steps)
+    record.replay_bytes += got.bytes
+    record.replay_seconds += time.monotonic() - t0
+    record.replay_donors = sorted(set(record.replay_donors) | got.donors)
+    record.step, record.shared = last.step, last.shared
+    outer.restore_shared(last.shared)  # type: ignore[attr-defined]
+    return None
+
+
+def replay_in_place(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, mine: int, theirs: int
+) -> bool:
+    """A joiner admitted late, already a member: fetch and replay the updates of outer steps
+    mine+1..theirs (committed before this round, so every donor has them), at once; False
+    when it cannot (it then leaves and catches up as a waiting node)."""
+    membership = run.placement.membership
+    assert membership is not None
+    folder, t0 = run.ckpt_dir / "replay-in", time.monotonic()
+
+    def fetch() -> Fetched:
+        try:
+            return fetch_entries(membership, mine, run.placement.world_size, folder, until=theirs)
+        except (PeerError, OSError):
+            return Fetched(stale=True)
+
+    got = _on_primary(run, fetch)
+    if got.outer_steps != list(range(mine + 1, theirs + 1)):
+        return False
+    problem = _replay(run, outer, record, got, folder, t0)
+    if problem is not None:
+        run.log.warn(f"replaying the rounds missed failed: {problem}")
+        return False
+    record.late += 1
+    run.log.info(
+        f"admitted {theirs - mine} round(s) late: replayed outer steps {mine + 1}..{theirs} "
+        f"in {time.monotonic() - t0:.2f} s and took this round with the members"
+    )
+    return True
 
 
 def load_members_state(
     run: Run, outer: ElasticOuterStep, rejoined: int | None = None
 ) -> JoinRecord:
-    """Steps 3 and 4: fetch a member's fresh checkpoint into this node's folder and load it
-    (every local rank), then say `ready()`. `rejoined`: the count, for a rejoin by itself."""
+    """Steps 3 and 4: fetch a member's checkpoint into this node's folder, load it (every
+    local rank), replay the committed updates since, then say `ready()`. `rejoined`: the
+    count, for a rejoin by itself."""
     membership = run.placement.membership
     assert membership is not None and membership.joining
-    got: list[JoinRecord | None] = [None]
-    if run.primary:
-        got[0] = fetch_members_state(membership, run.ckpt_dir, run.log)
-    if run.placement.world_size > 1:
-        dist.broadcast_object_list(got, src=0, group=run.placement.group)
-    record = got[0]
-    assert record is not None
-    record.rejoined = rejoined
-    t = time.monotonic()
-    run.load(record.step, outer)
-    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
-    record.load_seconds = time.monotonic() - t
+    replay = replaying(outer)
+    holder = Holder(membership) if replay and run.primary else None
+    with holder or contextlib.nullcontext():
+        record: JoinRecord = _on_primary(
+            run, lambda: fetch_members_state(membership, run.ckpt_dir, run.log, fresh=not replay)
+        )
+        record.rejoined = rejoined
+        _load(run, outer, record)
+        if replay:
+            catch_up(run, outer, record, holder)
+    run.progress["step"] = record.step
+    faults.delay_first_ready(run.log)
     membership.mesh.ready()
     mbps = record.bytes / 1e6 / record.seconds if record.seconds else float("inf")
     run.log.info(
-        f"fetched the step-{record.step} checkpoint from {record.donor}: "
+        f"fetched the step-{record.snapshot_step} checkpoint from {record.donor}: "
         f"{record.bytes / 1e6:.2f} MB in {record.seconds:.2f} s ({mbps:.1f} MB/s), "
-        f"loaded in {record.load_seconds:.2f} s; ready, admitted at the members' next "
-        "outer step"
+        f"loaded in {record.load_seconds:.2f} s"
+        + (
+            f"; replayed {record.replayed} committed update(s) to step {record.step} "
+            f"({record.replay_bytes / 1e6:.2f} MB from {record.replay_donors}) in "
+            f"{record.replay_seconds:.2f} s"
+            if replay
+            else ""
+        )
+        + "; ready, admitted at the members' next outer step"
     )
     return record
 
 
+def _catch_up_again(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, late: JoinedLate
+) -> None:
+    """Admitted a round late: leave, register again (waiting), replay the rounds since, and
+    say ready again. The members committed without waiting; this node's state is unchanged."""
+    from prime_train.diloco.rejoin import register_again  # rejoin builds on this module
+
+    membership = run.placement.membership
+    assert membership is not None
+    membership.close()
+    membership = register_again(run, late)
+    run.placement.membership = membership
+    outer.reattach(membership.mesh)
+    holder = Holder(membership) if run.primary else None
+    with holder or contextlib.nullcontext():
+        catch_up(run, outer, record, holder, need=outer.outer_steps + 1)  # type: ignore[attr-defined]
+    run.progress["step"] = record.step
+    membership.mesh.ready()
+
+
 def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> int:
     """Step 5: the joiner's first round, ending where the members' round that started from
-    the loaded checkpoint ends; returns the step it continues from."""
+    the state it reached ends; returns the step it continues from. Admitted a round late
+    (the members committed one more meanwhile), it catches up again and asks again."""
+    if replaying(outer):
+        outer.late_catch_up = lambda mine, theirs: replay_in_place(  # type: ignore[attr-defined]
+            run, outer, record, mine, theirs
+        )
+    try:
+        while True:
+            step = min(outer.round_end(record.step), run.cfg.train.steps)
+            try:
+                report = outer.enter(step)
+                break
+            except JoinedLate as e:
+                record.late += 1
+                if not replaying(outer) or record.late > MAX_LATE:
+                    raise
+                run.log.warn(
+                    f"admitted a round late ({e}); leaving, replaying the rounds since and "
+                    f"asking again ({record.late} of at most {MAX_LATE})"
+                )
+                _catch_up_again(run, outer, record, e)
+                if record.step >= run.cfg.train.steps:  # the run completed meanwhile
+                    run.log.info("the run completed while this node caught up; nothing to enter")
+                    return record.step
+    finally:
+        if replaying(outer):
+            outer.late_catch_up = None  # type: ignore[attr-defined]
+    # (admitted late and caught up in place: the members' round, later than the one it asked)
     step = min(outer.round_end(record.step), run.cfg.train.steps)
-    report = outer.enter(step)
+    admitted = time.monotonic() - record.started
+    startup = record.started - LOADED_AT
     run.log.info(
         ("re" if record.rejoined else "")
         + f"entered the running job at outer step {report.outer_step if report else '?'} "
         f"(step {step}), donor {record.donor}: {record.bytes / 1e6:.2f} MB "
-        f"fetched in {record.seconds:.2f} s"
+        f"fetched in {record.seconds:.2f} s; timeline: start-up {startup:.1f} s, snapshot "
+        f"{record.seconds:.1f} s, load {record.load_seconds:.1f} s, replay {record.replayed} "
+        f"round(s) in {record.replay_seconds:.1f} s, admitted {admitted:.1f} s after the "
+        f"join began ({record.late} late admission(s))"
     )
     run.metrics.write(
         {
             "step": step,
             "joined": True,
             "donor": record.donor,
-            "fetched_step": record.step,
+            "fetched_step": record.snapshot_step,
             "fetch_bytes": record.bytes,
             "fetch_seconds": record.seconds,
             "load_seconds": record.load_seconds,
+            "startup_seconds": startup,
+            "snapshots": record.snapshots,
+            "replayed": record.replayed,
+            "replay_bytes": record.replay_bytes,
+            "replay_seconds": record.replay_seconds,
+            "replay_donors": record.replay_donors,
+            "late_admissions": record.late,
+            "admitted_seconds": admitted,
             **({"rejoined": record.rejoined} if record.rejoined else {}),
         }
     )

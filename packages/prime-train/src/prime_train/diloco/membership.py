@@ -42,6 +42,7 @@ class Membership:
     ):
         self.mesh, self.server = mesh, server
         self.joining, self.members_seen, self.token = joining, members_seen, token
+        self.completed = False  # set when this node finished the run: said when it leaves
 
     @classmethod
     def join(
@@ -58,16 +59,17 @@ class Membership:
         """Serve `ckpt_dir` to joining peers (if `serve`: local rank 0), then join the mesh
         under `name`, advertising the config hash and the server's URL. Both bind the same
         address (`node_address`). With live members (counted here unless `live_members` is
-        given, e.g. by the node's local rank 0), the node registers waiting
-        (`wait_until_ready=True`): nobody waits for it while it fetches their state."""
+        given: a node registering again, which knows it joins), the node registers waiting
+        (`wait_until_ready=True`): nobody waits for it while it fetches their state. Without
+        `live_members` the coordinator decides founder or joiner, atomically at registration
+        (`wait_until_ready="auto"`)."""
         from prime_mesh import ElasticDeviceMesh
 
         token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
         host = node_address(cfg)
-        if live_members is None:
-            live_members = count_live_members(cfg.mesh.coordinator, token)
         port = serve_port(cfg, launcher_index)
-        server = _serve_checkpoints(ckpt_dir, host, port, token, warn) if serve else None
+        rate = cfg.mesh.serve_mbit * 1e6 / 8 or None  # bytes/s; 0: no cap
+        server = _serve_checkpoints(ckpt_dir, host, port, token, warn, rate) if serve else None
         try:
             mesh = ElasticDeviceMesh(
                 cfg.mesh.coordinator,
@@ -82,13 +84,16 @@ class Membership:
                 heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
                 coordinator_grace_s=cfg.mesh.coordinator_grace_s,
                 sync_timeout=cfg.diloco.sync_timeout_s or None,  # 0: the coordinator's auto
-                wait_until_ready=live_members > 0,
+                wait_until_ready="auto" if live_members is None else live_members > 0,
             )
         except BaseException:
             if server is not None:
                 server.close()
             raise
-        return cls(mesh, server, joining=live_members > 0, members_seen=live_members, token=token)
+        joining = mesh.joining if live_members is None else live_members > 0
+        if live_members is None:
+            live_members = _members_now(mesh) if joining else 0
+        return cls(mesh, server, joining=joining, members_seen=live_members, token=token)
 
     def donors(self) -> list[tuple[str, str]]:
         """(node_id, serve_url) of every member that serves its checkpoints, in rank order."""
@@ -98,9 +103,18 @@ class Membership:
             if m.get("state") == "member" and (m.get("metadata") or {}).get("serve_url")
         ]
 
+    def run_completed(self) -> bool:
+        """Whether the coordinator says the run was completed by its members (False when it
+        cannot say)."""
+        try:
+            return bool(self.mesh.status().get("completed"))
+        except Exception:
+            return False
+
     def close(self) -> None:
-        """Leave the mesh gracefully and stop serving checkpoints (again: a no-op)."""
-        self.mesh.close()
+        """Leave the mesh gracefully (saying whether this node completed the run) and stop
+        serving checkpoints (again: a no-op)."""
+        self.mesh.close(completed=self.completed)
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -116,23 +130,25 @@ def register(
     name: str,
     launcher_index: int | None,
 ) -> Membership:
-    """Register with the run's mesh under `name`, waiting if it has live members. The node's
-    local rank 0 counts them (and serves checkpoints); its other ranks (`group`) agree."""
-    live = [None]
-    if group is not None:
-        if primary:
-            token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
-            live = [count_live_members(cfg.mesh.coordinator, token)]
-        dist.broadcast_object_list(live, group_src=0, group=group)
-    return Membership.join(
-        cfg,
-        ckpt_dir,
-        serve=primary,
-        warn=warn,
-        live_members=live[0],
-        name=name,
-        launcher_index=launcher_index,
+    """Register with the run's mesh under `name`, waiting if it has live members: the
+    coordinator decides for the whole node at its first rank's registration. The node's local
+    rank 0 serves checkpoints; `group` (its ranks) checks they were told alike."""
+    membership = Membership.join(
+        cfg, ckpt_dir, serve=primary, warn=warn, name=name, launcher_index=launcher_index
     )
+    if group is not None:
+        told = [None] * dist.get_world_size(group)
+        dist.all_gather_object(told, membership.joining, group=group)
+        assert len(set(told)) == 1, f"the node's ranks were told differently: {told}"
+    return membership
+
+
+def _members_now(mesh: ElasticDeviceMesh) -> int:
+    """How many members the run has as the coordinator sees it (0: it cannot say)."""
+    try:
+        return sum(1 for m in mesh.members() if m.get("state") == "member")
+    except Exception:
+        return 0
 
 
 def count_live_members(coordinator: str, token: str | None) -> int:
@@ -172,12 +188,27 @@ def serve_port(cfg: Config, launcher_index: int | None) -> int:
     return port
 
 
-def _serve_checkpoints(ckpt_dir: Path, host: str, port: int, token: str | None, warn):
+def replay_dir(ckpt_dir: Path) -> Path:
+    """Where a node keeps the update log it serves (`diloco/replay_log.py`)."""
+    return ckpt_dir / "replay"
+
+
+def _serve_checkpoints(
+    ckpt_dir: Path, host: str, port: int, token: str | None, warn, rate: float | None
+):
+    """The checkpoints and the update log, served to joiners at most at `rate` bytes/s."""
     from prime_ckpt import serve_directory
 
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        return serve_directory(ckpt_dir, host=host, port=port, token=token)
+        return serve_directory(
+            ckpt_dir,
+            host=host,
+            port=port,
+            token=token,
+            max_bytes_per_s=rate,
+            files_dir=replay_dir(ckpt_dir),
+        )
     except (OSError, ValueError) as e:  # training goes on; joiners use another peer
         warn(f"cannot serve checkpoints to joining peers: {e}")
         return None

@@ -27,6 +27,7 @@ next inner steps compute. Where to resume is agreed through it too
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,7 @@ from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.outer_optimizer import OuterOptimizer
+from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
 from prime_train.diloco.round_log import RoundLog
 from prime_train.metrics import Log, Metrics
@@ -88,6 +90,13 @@ class Diloco:
         self.rounds = RoundLog(self.optimizer, cfg.compression, self.node_group, metrics, log)
         self.totals = self.rounds.totals
         self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
+        # the update log a joiner replays (`diloco/replay_log.py`; set by the trainer), and
+        # what all members share after a round besides the outer state (empty for now)
+        self.replay_log: ReplayLog | None = None
+        self.shared_state: Callable[[], dict[str, Any]] = dict
+        self.restore_shared: Callable[[dict[str, Any]], None] = lambda shared: None
+        # a joiner admitted late replays the updates it missed, (its count, theirs) -> done?
+        self.late_catch_up: Callable[[int, int], bool] | None = None
         if mesh.state == "member":  # a joiner is not admitted before its first step
             self.rounds.last_epoch = mesh.epoch
             self.rounds.nodes_now = mesh.global_world_size
@@ -145,15 +154,19 @@ class Diloco:
                     self.optimizer.pseudo_gradient.zero_()
                 got = self.average(self.mesh.maybe_reinit_global_pg(), contributing, reads)
                 if self.vote(got):
-                    if got.late is not None:  # the members commit; this node leaves
-                        raise JoinedLate(got.late)
+                    if got.late is not None:
+                        if not self._catch_up_in_place(got.behind):
+                            raise JoinedLate(got.late)  # the members commit; this node leaves
+                        step += got.behind * self.cfg.inner_steps  # the members' round
                     self.optimizer.apply()
                     extra = self._commit_data(got.consumed, self.mesh.global_members)
                     seconds = time.monotonic() - t0
-                    return self.rounds.record(
+                    report = self.rounds.record(
                         self.mesh, step, attempt, seconds, got.stats, got.contributors,
                         extra={**(extra or {}), **self.feedback.metrics()},
                     )  # fmt: skip
+                    self.log_update(report)
+                    return report
                 errors.append(got.error or "a peer failed")
                 self._warn(
                     f"outer step attempt {attempt} not committed ({errors[-1]}); "
@@ -165,6 +178,19 @@ class Diloco:
             f"outer step failed {len(errors)} times ({'; '.join(errors)}); "
             "outer weights are unchanged"
         )
+
+    def _catch_up_in_place(self, behind: int) -> bool:
+        """A joiner admitted `behind` rounds late: replay the updates the members applied
+        since its state (`late_catch_up`), then this round's average applies as theirs does.
+        False (nothing usable: it leaves) when it cannot."""
+        if self.late_catch_up is None or behind <= 0:
+            return False
+        average = self.optimizer.pseudo_gradient.clone()  # the replay reuses the buffer
+        mine = self.outer_steps
+        if not self.late_catch_up(mine, mine + behind):
+            return False
+        self.optimizer.pseudo_gradient.copy_(average)
+        return True
 
     def average(
         self, regrouped: bool, contributing: bool, reads: list[int] | None = None
@@ -186,6 +212,62 @@ class Diloco:
         if got.mismatch and contributing:
             self._warn("a node entered with another outer step count; it leaves")
         return got
+
+    # -- the update log and replaying it --------------------------------------------------
+
+    @property
+    def local_rank(self) -> int:
+        return dist.get_rank(self.node_group) if self.node_group is not None else 0
+
+    def log_update(self, report: OuterStepReport, step: int | None = None) -> None:
+        """Append the update just applied (the pseudo-gradient buffer) to the update log;
+        `step`: the inner step of the round it belongs to (default: the report's)."""
+        if self.replay_log is None:
+            return
+        rank = self.local_rank
+        self.replay_log.append(
+            Entry(
+                outer_step=report.outer_step,
+                step=report.step if step is None else step,
+                rank=rank,
+                outer_sha256=report.outer_sha256,
+                shard_sha256=self.rounds.last_shards[rank],
+                update=self.optimizer.pseudo_gradient,
+                shared=self.shared_state(),
+            )
+        )
+
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps applied so far in the run (as loaded, replayed or taken)."""
+        return self.rounds.outer_steps
+
+    def replay(self, entry: Entry) -> str | None:
+        """Apply a logged update (the next outer step) to the outer weights, momentum and the
+        model, as the members did; None if this rank's shard then has the members' hash, else
+        what differs (the state is then unusable: load another checkpoint)."""
+        opt = self.optimizer
+        if entry.outer_step != self.outer_steps + 1:
+            return f"entry of outer step {entry.outer_step} after outer step {self.outer_steps}"
+        if entry.update.numel() != opt.pseudo_gradient.numel():
+            return (
+                f"entry of outer step {entry.outer_step} has {entry.update.numel()} elements, "
+                f"this shard {opt.pseudo_gradient.numel()}"
+            )
+        opt.pseudo_gradient.copy_(entry.update)
+        opt.apply()
+        self.totals["outer_steps"] += 1
+        mine = opt.digest()
+        if mine != entry.shard_sha256:
+            return (
+                f"outer step {entry.outer_step} replayed to hash {mine[:16]}, the members' is "
+                f"{entry.shard_sha256[:16]} (another torch build or CPU?)"
+            )
+        return None
+
+    def replayed(self, outer_sha256: str) -> None:
+        """After a replay: tell the mesh where this node now is."""
+        self.mesh.note_outer_step(self.outer_steps, outer_sha256)
 
     def _commit_data(
         self, consumed: list[float] | None, members: tuple[str, ...] | list[str]
@@ -236,11 +318,12 @@ class Diloco:
 
     def joiners_waiting(self) -> bool:
         """Whether a node is registered but not a member yet (it needs the state of the round
-        that starts now: the loop then checkpoints). The node's ranks answer alike."""
+        that starts now: the loop then checkpoints; also when the coordinator cannot say).
+        The node's ranks answer alike."""
         try:
             mine = [any(m.get("state") != "member" for m in self.mesh.members())]
-        except Exception:  # the coordinator is briefly unreachable: the next boundary asks
-            mine = [False]
+        except Exception:  # the coordinator is briefly unreachable: checkpoint, in case
+            mine = [True]
         if self.node_group is not None:
             dist.broadcast_object_list(mine, group_src=0, group=self.node_group)
         return bool(mine[0])
@@ -257,7 +340,10 @@ class Diloco:
         self.rounds.forget_round()
 
     def close(self) -> None:
-        """Nothing runs in the background of a synchronous outer step."""
+        """Wait for the update log's last write (nothing else runs in the background of a
+        synchronous outer step)."""
+        if self.replay_log is not None:
+            self.replay_log.close()
 
     def summary(self) -> dict[str, Any]:
         """Totals and settings for the run's summary."""

@@ -70,8 +70,9 @@ def _live_members(run: Run, token: str | None) -> int:
     return int(live[0])
 
 
-def _register_again(run: Run, error: BaseException) -> Membership:
-    """Wait (bounded) for a coordinator with live members, then register as a joiner."""
+def register_again(run: Run, error: BaseException) -> Membership:
+    """Wait (bounded) for a coordinator with live members, then register as a joiner
+    (`error`: why this node registers again, for the line if it cannot)."""
     cfg = run.cfg
     token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
     deadline = time.monotonic() + cfg.diloco.rejoin_wait_s
@@ -120,7 +121,7 @@ def rejoin_running_job(
     except Exception as e:  # an evicted node's connection is already gone: nothing to leave
         run.log.info(f"closing the old membership: {type(e).__name__}: {e}")
     t0 = time.monotonic()
-    membership = _register_again(run, error)
+    membership = register_again(run, error)
     placement.membership = membership
     outer.reattach(membership.mesh)
     run.log.info(

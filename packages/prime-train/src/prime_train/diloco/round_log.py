@@ -48,6 +48,7 @@ class RoundLog:
         self.boundary: float | None = None  # when the last outer step ended
         self.last_epoch: int | None = None  # of the last report (a new one is logged)
         self.nodes_now = 0  # as of the last outer step
+        self.last_shards: list[str] = []  # each local rank's shard hash after the last one
 
     @property
     def outer_steps(self) -> int:
@@ -101,6 +102,7 @@ class RoundLog:
     ) -> OuterStepReport:
         """Count, log and write one applied outer step (`extra`: more keys for its row)."""
         shards, node_bytes = self.node_figures(stats.bytes_sent if stats else 0)
+        self.last_shards = shards
         compute, wall = self.end_round()
         t = self.totals
         t["outer_steps"] += 1

@@ -1,0 +1,185 @@
+"""The log of committed updates a member keeps and serves, so that a joiner can replay them.
+
+Every committed outer step, each local rank of a member writes one entry: the averaged
+pseudo-gradient exactly as `OuterOptimizer.apply` took it (float32, this rank's shard, after
+the contributors' scale), the inner step and outer step count it made, and the outer weights'
+hash after it (the node's, and this rank's shard's). The averaged pseudo-gradient is
+bit-identical on every node, so any member's entry serves any joiner, and applying it with the
+same code on CPU reproduces the members' outer weights and momentum bit for bit: the joiner
+checks the hash. It is the decoded tensor that is kept, not the all-gathered uint8 bytes: the
+decode and the contributors' scale sit between those bytes and the step, and the decoded
+update needs nothing but `apply`. Packed losslessly (`update_codec`: each run of elements
+takes few distinct values after a uint8 all-reduce) it costs about 1.1 bytes per element,
+close to the uint8 bytes themselves.
+
+An entry also carries `shared`, an opaque msgpack-able dict of the state all members share
+after that round (data-slot positions, ...): restored on the joiner after replay.
+
+The last `keep` outer steps are kept (plus any a joiner holds through the checkpoint server's
+side-file holds: `held_from`). Files are `outer-<10 digits>-r<rank>.entry`, written under a
+hidden name and renamed, in the node's checkpoint folder's `replay/`; the folder is emptied
+when the process starts (an entry is only ever what this process committed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from prime_train.diloco import update_codec
+
+log = logging.getLogger("prime_train")
+_MAGIC = b"PRIMEUPD2\n"
+_NAME_RE = re.compile(r"^outer-(\d{10})-r(\d{1,4})\.entry$")
+_HELD = ".held"  # rank 0 tells the node's other ranks which entries a joiner holds
+
+
+class BadEntry(ValueError):
+    """An entry file that is torn, corrupt or of another format."""
+
+
+def entry_name(outer_step: int, rank: int) -> str:
+    return f"outer-{outer_step:010d}-r{rank}.entry"
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    """(outer step, rank) of an entry file name; None for any other name."""
+    m = _NAME_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass
+class Entry:
+    """One committed update of one rank's shard (see module doc)."""
+
+    outer_step: int  # the count after applying it
+    step: int  # the inner step that round ended at
+    rank: int  # the local rank whose shard this is
+    outer_sha256: str  # the node's outer weights' hash after it
+    shard_sha256: str  # this rank's shard's hash after it
+    update: torch.Tensor  # float32, flat: what `apply` took
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        body = msgpack.packb(
+            {
+                "outer_step": self.outer_step,
+                "step": self.step,
+                "rank": self.rank,
+                "outer_sha256": self.outer_sha256,
+                "shard_sha256": self.shard_sha256,
+                "update": update_codec.pack(self.update),
+                "shared": self.shared,
+            },
+            use_bin_type=True,
+        )
+        return _MAGIC + hashlib.sha256(body).digest() + body
+
+    @classmethod
+    def decode(cls, data: bytes) -> Entry:
+        """The entry in `data`; BadEntry when it is torn or corrupt."""
+        head = len(_MAGIC) + 32
+        if not data.startswith(_MAGIC) or len(data) < head:
+            raise BadEntry("not an update-log entry")
+        body = data[head:]
+        if hashlib.sha256(body).digest() != data[len(_MAGIC) : head]:
+            raise BadEntry("checksum mismatch (torn or corrupt)")
+        try:
+            h = msgpack.unpackb(body, raw=False)
+            return cls(
+                int(h["outer_step"]), int(h["step"]), int(h["rank"]), str(h["outer_sha256"]),
+                str(h["shard_sha256"]), update_codec.unpack(h["update"]),
+                dict(h.get("shared") or {}),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError, msgpack.ExtraData) as e:
+            raise BadEntry(f"unreadable entry: {e}") from e
+
+
+class ReplayLog:
+    """This rank's writer of the update log (module doc): `append` at each committed outer
+    step (the file is written on a background thread; the next `append` waits for it)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        rank: int,
+        keep: int,
+        held_from: Callable[[], str | None] | None = None,
+    ):
+        """`held_from`: the first entry name a joiner holds (local rank 0's checkpoint server;
+        None on the other ranks, which read what rank 0 wrote down)."""
+        self.folder, self.rank, self.keep, self._held_from = Path(folder), rank, keep, held_from
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for p in self.folder.iterdir():  # another process's entries: not this one's history
+            parsed = parse_name(p.name.lstrip(".").removesuffix(".tmp"))
+            if parsed is not None and parsed[1] == rank:
+                p.unlink(missing_ok=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prime-replay-log")
+        self._last: Future | None = None
+        self._lock = threading.Lock()
+
+    def append(self, entry: Entry) -> None:
+        """Write `entry` (its update is copied first: the caller's buffer is reused)."""
+        if self.keep <= 0:
+            return
+        entry.update = entry.update.detach().to("cpu", copy=True)
+        self.wait()
+        self._last = self._pool.submit(self._write, entry)
+
+    def wait(self) -> None:
+        """Until the last entry is written (a failure is only this log's: training goes on,
+        and a joiner that needs the entry takes a newer checkpoint)."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        try:
+            last.result()
+        except OSError as e:
+            log.warning("update log: cannot write an entry into %s: %s", self.folder, e)
+
+    def _write(self, entry: Entry) -> None:
+        name = entry_name(entry.outer_step, self.rank)
+        tmp = self.folder / f".{name}.tmp"
+        tmp.write_bytes(entry.encode())
+        tmp.rename(self.folder / name)
+        self._prune(entry.outer_step)
+
+    def _held(self) -> int | None:
+        """The first outer step a joiner holds, if any."""
+        if self._held_from is not None:
+            name = self._held_from()
+            parsed = parse_name(name) if name else None
+            held = parsed[0] if parsed else None
+            (self.folder / _HELD).write_text("" if held is None else str(held))
+            return held
+        try:
+            text = (self.folder / _HELD).read_text().strip()
+        except FileNotFoundError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def _prune(self, newest: int) -> None:
+        oldest_kept = newest - self.keep + 1
+        held = self._held()
+        if held is not None:
+            oldest_kept = min(oldest_kept, held)
+        for p in self.folder.iterdir():
+            parsed = parse_name(p.name)
+            if parsed is not None and parsed[1] == self.rank and parsed[0] < oldest_kept:
+                p.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)

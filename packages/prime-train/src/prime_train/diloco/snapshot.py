@@ -1,0 +1,160 @@
+"""A joiner's snapshot: the members' newest checkpoint, fetched at the joiner's own pace
+(`fetch_members_state`, on the node's local rank 0), and what a joiner does when the members
+leave meanwhile (`members_left`). `JoinRecord` is what a join did, start to finish; see
+`diloco/join.py` for the whole path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prime_ckpt import PeerError, ask_donors, fetch_from_peer, resolve_token, step_dirname
+from prime_mesh import RunCompleted
+from prime_train.diloco.membership import Membership
+from prime_train.metrics import Log
+from prime_train.rundir import RunDirError
+
+JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's (fresh) checkpoint
+POLL_S = 0.2
+
+
+class JoinFailed(RunDirError):
+    """No member could give this node the run's state in time."""
+
+
+@dataclass
+class JoinRecord:
+    """What a joiner fetched and loaded: the members' checkpoint of inner step
+    `snapshot_step`, then the updates it replayed up to inner step `step`."""
+
+    step: int
+    donor: str | None
+    bytes: int
+    seconds: float  # fetching the snapshot
+    load_seconds: float = 0.0
+    rejoined: int | None = None  # the how-manieth rejoin by itself (None: a fresh join)
+    snapshot_step: int = 0
+    started: float = field(default_factory=time.monotonic)  # when the join began
+    replayed: int = 0  # outer steps replayed from the members' update logs
+    replay_bytes: int = 0
+    replay_seconds: float = 0.0  # fetching and applying them
+    replay_donors: list[str] = field(default_factory=list)
+    snapshots: int = 1  # snapshots fetched (a newer one when the log no longer reached one)
+    late: int = 0  # admissions a round late, each followed by catching up again
+    shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
+
+
+def _newest(urls: list[str], token: str | None) -> int | None:
+    """The newest step any of `urls` offers (None: none offers one yet)."""
+    try:
+        return max(o.step for o in ask_donors(urls, resolve_token(token), 10.0))
+    except PeerError:
+        return None
+
+
+def _newest_first(donors: list[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:
+    """`(node_id, url)` donors ordered by the step each offers, newest first: a member that
+    has not yet written this round's checkpoint would hand over the previous round's."""
+    steps = {url: _newest([url], token) for _, url in donors}
+    return sorted(donors, key=lambda d: -1 if steps[d[1]] is None else steps[d[1]], reverse=True)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def fetch_members_state(
+    membership: Membership,
+    ckpt_dir: Path,
+    log: Log,
+    newer_than: int | None = None,
+    fresh: bool = True,
+) -> JoinRecord:
+    """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
+    than `newer_than` if given, or with `fresh` newer than the newest one offered when it
+    started asking (made at a boundary after this node registered), then fetch it."""
+    token = membership.token
+    began = time.monotonic()  # the join's timeline starts here, waiting for a donor included
+    deadline = began + JOIN_TIMEOUT_S
+    baseline, baseline_known = newer_than, not fresh
+    gone_since: float | None = None  # since when no member serves
+    while True:
+        donors = membership.donors()
+        if donors:
+            gone_since = None
+            newest = _newest([u for _, u in donors], token)
+            if not baseline_known:
+                baseline, baseline_known = newest, True
+                log.info(
+                    f"joining a running job: {len(donors)} member(s); waiting for a checkpoint "
+                    f"newer than step {baseline} (made at an outer boundary while this node waits)"
+                )
+            elif (
+                newest is not None
+                and (baseline is None or newest > baseline)
+                # a restarted node holds its own checkpoint of that step (its own inner state):
+                # never overwritten; the members make a newer one while it waits
+                and not (ckpt_dir / step_dirname(newest)).exists()
+            ):
+                break
+        else:
+            gone_since = gone_since or time.monotonic()
+            error = members_left(membership, gone_since)
+            if error is not None:
+                raise error
+        if time.monotonic() > deadline:
+            raise JoinFailed(
+                f"no member offered a{' fresh' if fresh else ''} checkpoint within "
+                f"{JOIN_TIMEOUT_S:.0f} s (members: {[n for n, _ in donors] or 'none'}); check "
+                "that the members run and that their checkpoint servers are reachable from "
+                "this machine"
+            )
+        time.sleep(POLL_S)
+
+    t0 = time.monotonic()
+    step, donor, errors = None, None, []
+    for _ in range(3 if fresh else 1):  # the donor made a newer checkpoint meanwhile: that one
+        for node_id, url in _newest_first(membership.donors(), token):
+            try:
+                step = fetch_from_peer([url], ckpt_dir, token=token)
+                donor = node_id
+                break
+            except (PeerError, OSError) as e:  # this donor died or refused: the next one
+                errors.append(f"{node_id}: {e}")
+        if step is None:
+            if not membership.donors():  # they left mid-transfer: completed, or gone
+                left = members_left(membership, time.monotonic() - MEMBERS_GONE_S - 1)
+                if left is not None:
+                    raise left
+            raise JoinFailed(f"fetching the members' checkpoint failed: {'; '.join(errors)}")
+        newer = _newest([u for _, u in membership.donors()], token)
+        if newer is None or newer <= step:
+            break
+    seconds = time.monotonic() - t0
+    size = _folder_bytes(ckpt_dir / step_dirname(step))
+    return JoinRecord(
+        step=step, donor=donor, bytes=size, seconds=seconds, snapshot_step=step, started=began
+    )
+
+
+MEMBERS_GONE_S = 30.0  # no member for this long: the joiner stops
+
+
+def members_left(membership: Membership, since: float) -> Exception | None:
+    """No member serves since `since`: RunCompleted when the coordinator says the run is
+    complete (exit 0), JoinFailed once that lasted `MEMBERS_GONE_S` (a brief gap is a
+    coordinator re-forming the run); None: wait on."""
+    if membership.run_completed():
+        return RunCompleted(
+            "the run completed while this node waited to join (its members finished every step)"
+        )
+    if time.monotonic() - since > MEMBERS_GONE_S:
+        return JoinFailed(
+            f"the running job's members left (finished or died) and none came back within "
+            f"{MEMBERS_GONE_S:.0f} s while this node waited to join; rerun the same command "
+            "to resume with the others"
+        )
+    return None

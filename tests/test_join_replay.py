@@ -1,0 +1,108 @@
+"""A joiner whose checkpoint takes many rounds to arrive catches up by replaying the members'
+committed updates and enters with their exact outer weights, without exiting (issue #24).
+
+Through the CLI, each node its own process in its own folder; the members cap their serving
+rate (`mesh.serve_mbit`) so low that the joiner's checkpoint takes many short rounds to come.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from prime_mesh import Coordinator
+from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_node, wait_until
+
+TOKEN = "join-replay-test-token"
+H = 10
+STEPS = 300
+# 4 Mbit/s: the ~8.7 MB checkpoint takes ~17 s, many 10-step rounds; an update (~0.55 MB
+# packed) well under one round from the two donors together
+NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H,
+        "args": ["--mesh.serve_mbit", "4"]}  # fmt: skip
+
+
+def first_outer_matches(tmp_path: Path, joiner: Path, members: list[Path]) -> int:
+    """The joiner's outer steps all have the members' hash; returns its first."""
+    mine = outer_by_step(folder_metrics(joiner))
+    assert mine, log_tails(tmp_path)
+    for m in members:
+        theirs = outer_by_step(folder_metrics(m))
+        for k, r in mine.items():
+            assert r["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
+    return min(mine)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
+    tmp_path, token_cache, children, overlap
+):
+    node = {**NODE, "args": [*NODE["args"], "--diloco.overlap", overlap]}
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    try:
+        nodes = []
+        for k in range(2):
+            nodes.append(start_cli_node(children, tmp_path / f"node{k}",
+                                        coordinator=coord.address, cache=token_cache, **node))  # fmt: skip
+            wait_until(
+                lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers"
+            )
+        n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
+        wait_until(lambda: 2 in outer_by_step(folder_metrics(n0)) or nodes[0].poll() is not None,
+                   240, what="the members' second outer step")  # fmt: skip
+        assert nodes[0].poll() is None, log_tails(tmp_path)
+        # it says ready() 8 s late the first time: the members commit meanwhile, it is admitted
+        # late, leaves, replays the rounds since and asks again
+        joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
+                                env={"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}, **node)  # fmt: skip
+        codes = [p.wait(timeout=400) for p in (*nodes, joiner)]
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    joined = [r for r in folder_metrics(n2) if r.get("joined")]
+    assert len(joined) == 1, log_tails(tmp_path)
+    row = joined[0]
+    # the premise: the members committed at least three rounds while the checkpoint came
+    assert row["replayed"] >= 3, row
+    assert row["fetch_bytes"] > 0 and row["replay_bytes"] > 0 and row["replay_donors"], row
+    assert row["late_admissions"] >= 1, row  # and it did not exit for it
+    first = first_outer_matches(tmp_path, n2, [n0, n1])
+    outer0 = outer_by_step(folder_metrics(n0))
+    assert outer0[first]["nodes"] == 3 and outer0[first]["contributors"] == 2, outer0[first]
+    assert outer0[max(outer0)]["contributors"] == 3
+    log = (tmp_path / "node2.log").read_text()
+    assert "replayed" in log and "entered the running job" in log and "timeline" in log
+    assert "round(s) late: replayed outer steps" in log and "Rerun the same command" not in log
+    steps = {k: r["step"] for k, r in outer_by_step(folder_metrics(n2)).items()}
+    # (delayed: the joiner settles its entry round at once, the members a round later)
+    assert all(steps[k] == outer0[k]["step"] for k in steps if k > first), log_tails(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_nodes_arriving_as_the_run_ends_or_after_it_stop_with_exit_0(
+    tmp_path, token_cache, children
+):
+    """A joiner still fetching when the members finish stops with a line saying so, and a node
+    started after the run completed is told so by the coordinator: both exit 0."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=1).start()
+    short = {**NODE, "steps": 60, "args": ["--mesh.serve_mbit", "0.5"]}  # ~2 min to fetch
+    try:
+        n0, late, after = tmp_path / "node0", tmp_path / "late", tmp_path / "after"
+        member = start_cli_node(children, n0, coordinator=coord.address, cache=token_cache,
+                                **short)  # fmt: skip
+        wait_until(lambda: 1 in outer_by_step(folder_metrics(n0)) or member.poll() is not None,
+                   240, what="the member's first outer step")  # fmt: skip
+        joiner = start_cli_node(children, late, coordinator=coord.address, cache=token_cache,
+                                **short)  # fmt: skip
+        codes = [member.wait(timeout=200), joiner.wait(timeout=120)]
+        again = start_cli_node(children, after, coordinator=coord.address, cache=token_cache,
+                               **short)  # fmt: skip
+        codes.append(again.wait(timeout=120))
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    assert "the run completed while this node waited to join" in (tmp_path / "late.log").read_text()
+    assert "the run is complete" in (tmp_path / "after.log").read_text()
+    assert not [r for r in folder_metrics(late) if "outer_step" in r]
