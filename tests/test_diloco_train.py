@@ -152,7 +152,7 @@ def test_a_killed_node_is_dropped_and_the_survivor_finishes(tmp_path, token_cach
 # checkpoint too, else the resumed weight hashes differ.
 LEAVE_AT_ONCE_EF = [
     "--train.stop_within_s", "0", "--ckpt.every", "0", "--diloco.inner_steps", "30",
-    "--diloco.compression", "uint2", "--diloco.error_feedback", "true",
+    "--diloco.compression", "uint2", "--diloco.error_feedback", "true", "--run.log_every", "5",
 ]  # fmt: skip
 
 
@@ -173,7 +173,10 @@ def test_stopped_two_node_run_resumes_exactly(tmp_path, token_cache, children, h
         committed, when given. Their exit codes."""
 
         def outer_step_committed() -> bool:
-            return stop_after_outer in outer_hashes(node_metrics(runs / "debug"))
+            rows = node_metrics(runs / "debug")
+            if "--train.stop_within_s" in how:  # mid-round (step 40 of 31..60), not at its end
+                return stop_after_outer in outer_hashes(rows) and any(r["step"] >= 40 for r in rows)
+            return stop_after_outer in outer_hashes(rows)
 
         args = debug_args(runs, token_cache, *SHORT, "--launch.local_nodes", "2", *how)
         return run_local_nodes(children, token=TOKEN, args=args,

@@ -5,6 +5,7 @@ Through the CLI, each node its own process in its own folder; the members cap th
 rate (`mesh.serve_mbit`) so low that the joiner's checkpoint takes many short rounds to come.
 """
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_no
 
 TOKEN = "join-replay-test-token"
 H = 10
-STEPS = 300
+STEPS = 5000  # never ends by itself, however fast the machine: the test stops the nodes
 # 4 Mbit/s: the ~8.7 MB checkpoint takes ~17 s, many 10-step rounds; an update (~0.55 MB
 # packed) well under one round from the two donors together
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H,
@@ -56,7 +57,16 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
         # late, leaves, replays the rounds since and asks again
         joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
                                 env={"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}, **node)  # fmt: skip
-        codes = [p.wait(timeout=400) for p in (*nodes, joiner)]
+        everyone = (*nodes, joiner)
+
+        def joiner_contributed_twice() -> bool:
+            rows = outer_by_step(folder_metrics(n2))
+            return len(rows) >= 3 or any(p.poll() is not None for p in everyone)
+
+        wait_until(joiner_contributed_twice, 400, what="the joiner's entry and two rounds")
+        for p in everyone:  # each stops at its next outer boundary
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in everyone]
     finally:
         coord.close()
     assert codes == [0, 0, 0], log_tails(tmp_path)
@@ -70,7 +80,7 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
     first = first_outer_matches(tmp_path, n2, [n0, n1])
     outer0 = outer_by_step(folder_metrics(n0))
     assert outer0[first]["nodes"] == 3 and outer0[first]["contributors"] == 2, outer0[first]
-    assert outer0[max(outer0)]["contributors"] == 3
+    assert any(r["contributors"] == 3 for k, r in outer0.items() if k > first), outer0
     log = (tmp_path / "node2.log").read_text()
     assert "replayed" in log and "entered the running job" in log and "timeline" in log
     assert "round(s) late: replayed outer steps" in log and "Rerun the same command" not in log
