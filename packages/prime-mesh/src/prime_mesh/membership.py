@@ -453,4 +453,6 @@ class Membership:
 
     def page(self) -> dict:
         """The status page's data (see `prime_mesh.progress.page_of`)."""
-        return page_of(self)
+        addresses = {n.node_id: n.address for n in self.nodes.values()}
+        members = [self.nodes[k].node_id for k in self.members]
+        return page_of(self.history, self.status(), addresses, members)

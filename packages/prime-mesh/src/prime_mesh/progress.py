@@ -14,10 +14,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from prime_mesh.membership import Membership
+from typing import Any
 
 # name -> (what it is, whether it must be a whole number)
 PROGRESS_FIELDS: dict[str, tuple[str, bool]] = {
@@ -122,28 +119,27 @@ class History:
             series.append({"time": self.clock(), **point})
 
 
-def page_of(m: Membership) -> dict:
-    """The status page's data: plain values copied out, so it is serialized after the
-    lock is released; no token, rendezvous prefix or `_` metadata."""
-    h = m.history
+def page_of(h: History, status: dict, addresses: Mapping[str, str], members: list[str]) -> dict:
+    """The status page's data from the coordinator's `status` view, each node's address and
+    the members in rank order: plain values copied out, so it is serialized after the lock is
+    released; no token, rendezvous prefix or `_` metadata."""
     nodes = []
-    for view in m.status()["nodes"]:
-        node = next(n for n in m.nodes.values() if n.node_id == view["node_id"])
+    for view in status["nodes"]:
         nodes.append(
             {
                 **view,
-                "address": node.address,
+                "address": addresses[view["node_id"]],
                 "metadata": public_metadata(view["metadata"]),
-                "progress": dict(h.latest.get(node.node_id, {})),
+                "progress": dict(h.latest.get(view["node_id"], {})),
             }
         )
     for gone in h.departed:
         nodes.append({**gone, "progress": dict(h.latest.get(gone["node_id"], {}))})
     return {
         "history": {"run_id": h.run_id, "started": h.started},
-        "epoch": m.epoch,
-        "min_nodes": m.min_nodes,
-        "members": [m.nodes[k].node_id for k in m.members],
+        "epoch": status["epoch"],
+        "min_nodes": status["min_nodes"],
+        "members": members,
         "nodes": nodes,
         "events": list(h.events),
         "series": {k: list(v) for k, v in h.series.items()},

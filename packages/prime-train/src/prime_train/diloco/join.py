@@ -48,6 +48,7 @@ from prime_ckpt import PeerError
 from prime_train import faults
 from prime_train.diloco.catch_up import Fetched, Holder, fetch_entries, read_entry
 from prime_train.diloco.outer_step import JoinedLate
+from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
     JoinFailed,
@@ -273,8 +274,6 @@ def _catch_up_again(
 ) -> None:
     """Admitted a round late: leave, register again (waiting), replay the rounds since, and
     say ready again. The members committed without waiting; this node's state is unchanged."""
-    from prime_train.diloco.rejoin import register_again  # rejoin builds on this module
-
     membership = run.placement.membership
     assert membership is not None
     membership.close()
