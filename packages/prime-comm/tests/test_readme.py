@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -24,8 +25,11 @@ def free_port() -> int:
 def run(code: str, tmp_path: Path) -> str:
     script = tmp_path / "example.py"
     script.write_text(code)
+    # block-buffered output: each rank's lines reach the shared pipe in one write at its exit
+    # (unbuffered, two ranks' print() pieces interleave: "01 4063760 ...")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
