@@ -128,12 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
             {"step": offer.step, "digest": offer.digest, "manifest": offer.manifest_bytes},
             use_bin_type=True,
         )
-        self.send_response(200)
-        self.send_header("Content-Type", "application/msgpack")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header(H_RESP_AUTH, peer.sign(nonce, body))
-        self.end_headers()
-        self.wfile.write(body)
+        self._send_signed(peer, nonce, body)
 
     def _side(self, peer: PeerServer, nonce: str, kind: str, arg: str | None) -> None:
         """A side-file route (see `side_files`): the signed listing, or one file."""
@@ -150,6 +145,10 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError as e:
                 return self._text(400, str(e))
         body = msgpack.packb({"files": files.listing()}, use_bin_type=True)
+        self._send_signed(peer, nonce, body)
+
+    def _send_signed(self, peer: PeerServer, nonce: str, body: bytes) -> None:
+        """A msgpack reply signed for the requester's `nonce` (it checks who answered)."""
         self.send_response(200)
         self.send_header("Content-Type", "application/msgpack")
         self.send_header("Content-Length", str(len(body)))
