@@ -26,11 +26,14 @@ STEPS = 240
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H}
 
 
-def start_pair(children, tmp_path, coord, cache):
+DELAYED = ["--diloco.overlap", "delayed"]
+
+
+def start_pair(children, tmp_path, coord, cache, args=()):
     nodes = {}
     for k in range(2):
         nodes[k] = start_cli_node(children, tmp_path / f"node{k}", coordinator=coord.address,
-                                  cache=cache, **NODE)  # fmt: skip
+                                  cache=cache, args=list(args), **NODE)  # fmt: skip
         wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")
     return nodes
 
@@ -152,10 +155,12 @@ def stall_node_1_until_node_0_goes_on_alone(nodes, n0: Path, n1: Path) -> int:
 @pytest.mark.timeout(400)
 def test_a_stalled_node_is_evicted_and_rejoins_by_itself(tmp_path, token_cache, children):
     """SIGSTOP a node past the heartbeat timeout, SIGCONT it: evicted, it rejoins through live
-    recovery without being restarted (the same process), and ends with the member's weights."""
+    recovery without being restarted (the same process), and ends with the member's weights.
+    With `overlap = "delayed"`: the stalled node's round in flight crosses the loss (a
+    synchronous run's stall and rejoin: tests/test_data_slots.py)."""
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     try:
-        nodes = start_pair(children, tmp_path, coord, token_cache)
+        nodes = start_pair(children, tmp_path, coord, token_cache, DELAYED)
         n0, n1 = tmp_path / "node0", tmp_path / "node1"
         stalled_at = stall_node_1_until_node_0_goes_on_alone(nodes, n0, n1)
         outer0 = outer_by_step(folder_metrics(n0))
