@@ -13,22 +13,24 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    serving cap) at its own pace, however many rounds that takes, into its own checkpoint
    folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
    (`catch_up.Holder`) so the ones it will need are not pruned.
-4. Load and catch up (`load_members_state`): every local rank loads the checkpoint, then
-   replays the members' committed updates since it (`catch_up`), each checked against the
-   members' outer weights' hash, until the donors offer no newer one; then it says `ready()`.
-   A log that no longer reaches the checkpoint, or a hash that differs, takes a newer
-   checkpoint (a second mismatch exits with a line naming it).
+4. Load (`load_members_state`): every local rank loads the checkpoint; a synchronous joiner
+   then says `ready()` at once (the rounds since come in step 5). A delayed one first replays
+   the members' committed updates since it (`catch_up`), each checked against the members'
+   outer weights' hash, until the donors offer no newer one. A log that no longer reaches the
+   checkpoint, or a hash that differs, takes a newer checkpoint (a second mismatch exits with
+   a line naming it).
 5. Enter (`enter_running_job`): the members admit it at their next sync point. The joiner takes
    its first round at once (the outer step's `enter`): its model equals the outer weights it
    reached, so its pseudo-gradient is zero; the members average over the nodes that
    contributed, and all apply the same update to the same outer weights: the same bits
-   everywhere. A joiner admitted late (the members committed once more between its last
-   replay and its admission) replays the rounds it missed at once, as a member, and takes the
-   round with them (`replay_in_place`, the outer step's `late_catch_up`); if it cannot, it
-   leaves, registers again, replays the rounds since and asks again (`JoinedLate` only after
+   everywhere. A joiner admitted late (the members committed meanwhile) listens
+   (`diloco/listen.py`, the outer step's `listen_late`): a member contributing nothing, it
+   keeps each round's update while the backlog comes in the background, then replays both and
+   enters with the members' outer weights; the members never wait for its transfer. A delayed
+   joiner instead replays the rounds it missed at once, as a member, and takes the round with
+   them (`replay_in_place`, the outer step's `late_catch_up`). If either cannot, it leaves,
+   registers again, replays the rounds since and asks again (`JoinedLate` only after
    `MAX_LATE` such tries).
-   With `overlap = "delayed"` steps 2-4 are today's older ones: the joiner waits for a
-   checkpoint made after it registered and leaves with `JoinedLate` if admitted late.
 
 What happened is one typed record, `JoinRecord`, logged and written as the entry's metrics row.
 The snapshot's fetch is `diloco/snapshot.py`; fetching and holding log entries, `catch_up.py`.

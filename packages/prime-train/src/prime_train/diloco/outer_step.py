@@ -224,7 +224,8 @@ class Diloco:
             residual=residual,
         )
         if got.mismatch and contributing:
-            self._warn("a node entered with another outer step count; it leaves")
+            self._warn("a node entered with another outer step count (a late joiner: it "
+                       "listens until it has caught up, or leaves)")  # fmt: skip
         return got
 
     # -- the update log and replaying it --------------------------------------------------
