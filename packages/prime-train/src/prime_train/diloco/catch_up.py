@@ -112,10 +112,17 @@ class Fetched:
 
 
 def fetch_entries(
-    membership: Membership, after: int, ranks: int, folder: Path, until: int | None = None
+    membership: Membership,
+    after: int,
+    ranks: int,
+    folder: Path,
+    until: int | None = None,
+    one_at_a_time: bool = False,
 ) -> Fetched:
     """Download every local rank's entries of the outer steps after `after` that the donors
-    offer (all of them, or up to `until`) into `folder`; see `Fetched`."""
+    offer (all of them, or up to `until`) into `folder`; see `Fetched`. `one_at_a_time`: one
+    download at a time (still spread over the donors), for a joiner already in the members'
+    all-reduce: its link then carries at most one donor's capped rate beside it."""
     t0 = time.monotonic()
     token = membership.token
     offers: dict[int, list[tuple[str, str]]] = {}  # outer step -> donors with every rank's
@@ -166,7 +173,8 @@ def fetch_entries(
         raise PeerError(f"no donor could give {name}: {'; '.join(errors)}")
 
     n_donors = len({d for ds in offers.values() for d in ds})
-    with ThreadPoolExecutor(max(1, n_donors), thread_name_prefix="prime-join-entries") as pool:
+    workers = 1 if one_at_a_time else max(1, n_donors)
+    with ThreadPoolExecutor(workers, thread_name_prefix="prime-join-entries") as pool:
         try:
             sizes = list(pool.map(get, enumerate(jobs)))
         except PeerError:  # an entry went missing meanwhile (pruned): keep what came before

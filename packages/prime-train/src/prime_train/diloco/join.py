@@ -78,8 +78,13 @@ def replaying(outer: ElasticOuterStep) -> bool:
 
 def listening(outer: ElasticOuterStep) -> bool:
     """Whether a joiner admitted late listens until it has the rounds it missed
-    (`diloco/listen.py`: synchronous DiLoCo); else it replays them in place (delayed)."""
-    return replaying(outer) and not getattr(outer, "overlapped", True)
+    (`diloco/listen.py`: synchronous DiLoCo with data slots, whose members send the exact
+    header every round, as a listener does); else it replays them in place (delayed)."""
+    return (
+        replaying(outer)
+        and not getattr(outer, "overlapped", True)
+        and getattr(outer, "data", None) is not None
+    )
 
 
 def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:

@@ -12,7 +12,9 @@ joiner does not fetch those rounds' entries while the members wait at their next
   round's committed update, the same bits every member applies (what their log entry of that
   round holds), on disk (packed, ~1.25 B/param), with the round's counted reads and members;
 - meanwhile local rank 0 fetches the backlog, the entries between its state and its
-  admission, from the donors in the background (held on them, under their serving cap);
+  admission, from the donors in the background (held on them, under their serving cap), one
+  download at a time: with the cap at about half a link, the all-reduce keeps the other half
+  of the joiner's link (several at once starved it: measured, members' rounds 2.5x longer);
 - at the end of the first round after the backlog is in, it replays the backlog (each entry
   checked against the members' hash), then the rounds it kept, in order, restores the data
   positions (the backlog's last `shared`, then each kept round's counted reads), and applies
@@ -93,8 +95,9 @@ class Listener:
         assert membership is not None
         want = list(range(self.mine + 1, last + 1))
         try:
+            # one download at a time: the all-reduce it takes part in keeps half its link
             got = fetch_entries(membership, self.mine, self.run.placement.world_size,
-                                self.backlog, until=last)  # fmt: skip
+                                self.backlog, until=last, one_at_a_time=True)  # fmt: skip
         except Exception as e:  # any failure: the joiner leaves and catches up again
             self._failed = f"fetching the rounds it missed failed: {type(e).__name__}: {e}"
             return
