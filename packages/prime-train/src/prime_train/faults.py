@@ -9,12 +9,14 @@ environment itself.
 | `PRIME_TRAIN_FAULT_HOLD_ROUND_S` | with `overlap = "delayed"`, every background outer round waits this many seconds between its sync point and its all-reduce, so that a test can kill or stop a node while a round is in flight |
 | `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
+| `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from prime_train.metrics import Log
 
@@ -68,3 +70,25 @@ def delay_first_ready(log: Log | None) -> None:
         if log is not None:
             log.info(f"holding ready() for {delay:g} s")
         time.sleep(delay)
+
+
+WAIT_AFTER_SNAPSHOT_ENV = "PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT"
+_wait_after_snapshot = [os.environ.get(WAIT_AFTER_SNAPSHOT_ENV)]  # used up by the first join
+NOTHING_HELD = 10**9  # an outer step no run reaches: a hold from there keeps no entry
+
+
+def wait_after_snapshot(log: Log | None, holder: Any, outer_step: int) -> None:
+    """`PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT`: after the first snapshot (of outer step
+    `outer_step`), move the joiner's hold (`catch_up.Holder`, None on other local ranks) past
+    every entry, so the members may prune, and wait for the file (bounded)."""
+    path, _wait_after_snapshot[0] = _wait_after_snapshot[0], None
+    if not path:
+        return
+    if holder is not None:
+        holder.first = NOTHING_HELD
+        holder.renew()
+    if log is not None:
+        log.info(f"fault hook: holding after the snapshot of outer step {outer_step}, no hold")
+    end = time.monotonic() + 600.0
+    while time.monotonic() < end and not os.path.exists(path):
+        time.sleep(0.2)

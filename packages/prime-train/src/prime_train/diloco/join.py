@@ -55,6 +55,7 @@ from prime_train.diloco.snapshot import (
     JoinRecord,
     fetch_members_state,
     members_left,
+    shared_tensors,
 )
 from prime_train.seam import ElasticOuterStep
 
@@ -95,10 +96,17 @@ def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: 
     got = _on_primary(
         run,
         lambda: fetch_members_state(
-            membership, run.ckpt_dir, run.log, newer_than=record.snapshot_step, fresh=False
+            membership,
+            run.ckpt_dir,
+            run.log,
+            newer_than=record.snapshot_step,
+            fresh=False,
+            shared=shared_tensors(run.cfg.diloco.overlap),
         ),
     )
     record.snapshot_step, record.donor = got.snapshot_step, got.donor
+    for who, n in got.snapshot_donors.items():
+        record.snapshot_donors[who] = record.snapshot_donors.get(who, 0) + n
     record.bytes += got.bytes
     record.seconds += got.seconds
     record.snapshots += 1
@@ -243,11 +251,19 @@ def load_members_state(
     holder = Holder(membership) if replay and run.primary else None
     with holder or contextlib.nullcontext():
         record: JoinRecord = _on_primary(
-            run, lambda: fetch_members_state(membership, run.ckpt_dir, run.log, fresh=not replay)
+            run,
+            lambda: fetch_members_state(
+                membership,
+                run.ckpt_dir,
+                run.log,
+                fresh=not replay,
+                shared=shared_tensors(run.cfg.diloco.overlap),
+            ),
         )
         record.rejoined = rejoined
         _load(run, outer, record)
         if replay:
+            faults.wait_after_snapshot(run.log, holder, outer.outer_steps)  # type: ignore[attr-defined]
             catch_up(run, outer, record, holder)
     run.progress["step"] = record.step
     faults.delay_first_ready(run.log)
@@ -337,6 +353,7 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
             "fetched_step": record.snapshot_step,
             "fetch_bytes": record.bytes,
             "fetch_seconds": record.seconds,
+            "snapshot_donors": record.snapshot_donors,
             "load_seconds": record.load_seconds,
             "startup_seconds": startup,
             "snapshots": record.snapshots,
