@@ -1,6 +1,7 @@
 """A joiner's snapshot comes from several members at once; a donor killed mid-transfer is
-replaced by the others; a snapshot the update logs no longer reach is replaced by a newer one
-(issue #24). Through the CLI, each node its own process in its own folder.
+replaced by the others; a snapshot the update logs no longer reach is replaced by a newer one;
+a node with another model setting is refused with a line naming it; the members report what
+the join cost them (issue #24). Through the CLI, each node its own process in its own folder.
 
 Three members cap their serving rate (`mesh.serve_mbit`) so the snapshot takes seconds; a
 fourth node joins; one member is SIGKILLed while the snapshot comes. The members keep one
@@ -63,6 +64,10 @@ def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
         joiner = start_cli_node(children, n3, coordinator=coord.address, cache=token_cache,
                                 env={"PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT": str(release)},
                                 **NODE)  # fmt: skip
+        # and a node with another model setting: refused, with a line naming it
+        other = {**NODE, "args": [*NODE["args"], "--model.n_layers", "5"]}
+        odd = start_cli_node(children, tmp_path / "odd", coordinator=coord.address,
+                             cache=token_cache, **other)  # fmt: skip
         wait_until(lambda: transfer_under_way(n3) or joiner.poll() is not None, 240,
                    interval=0.02, what="the joiner's snapshot transfer")  # fmt: skip
         members[0].send_signal(signal.SIGKILL)  # a donor, mid-transfer
@@ -72,11 +77,14 @@ def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
                    what="the joiner's first snapshot")  # fmt: skip
         at = waiting_at(log3)
         assert at is not None, log_tails(tmp_path)
-        # the members commit two more rounds than the joiner's snapshot: with one kept, their
-        # logs no longer reach it
-        wait_until(lambda: max(outer_by_step(folder_metrics(n1)), default=0) >= at + 2
+        # the members commit two more rounds after the joiner let its hold go: the first one
+        # written prunes every entry before it (one kept), the second is a margin for the
+        # background thread that writes entries after the round's metrics row
+        now = max(outer_by_step(folder_metrics(n1)), default=0)
+        wait_until(lambda: max(outer_by_step(folder_metrics(n1)), default=0) >= now + 2
                    or members[1].poll() is not None, 240, what="two more outer steps")  # fmt: skip
         release.touch()
+        assert odd.wait(timeout=120) == 1, log_tails(tmp_path)
         survivors = (members[1], members[2], joiner)
 
         def joiner_contributed() -> bool:  # (before the kill three members contributed)
@@ -101,6 +109,13 @@ def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
     log = log3.read_text()
     assert "dropped donor" in log, log[-3000:]  # the killed one, mid-transfer
     assert "no longer reach" in log, log[-3000:]
+    # the members say what admitting it cost them, on the row of the round it entered
+    for m in (n1, n2):
+        admitting = [r for r in outer_by_step(folder_metrics(m)).values() if r.get("admitted")]
+        assert [r["admitted"] for r in admitting] == [["node3"]], admitting
+        assert admitting[0]["join_seconds"] >= 0, admitting
+    refused = (tmp_path / "odd.log").read_text()
+    assert "model.n_layers is 5 here, unset in the run" in refused, refused[-2000:]
     # its first committed outer step, and every later one, has the survivors' hash
     mine = outer_by_step(folder_metrics(n3))
     assert mine, log_tails(tmp_path)
