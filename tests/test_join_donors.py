@@ -87,9 +87,9 @@ def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
         assert odd.wait(timeout=120) == 1, log_tails(tmp_path)
         survivors = (members[1], members[2], joiner)
 
-        def joiner_contributed() -> bool:  # (before the kill three members contributed)
-            rows = outer_by_step(folder_metrics(n1))
-            return any(r["contributors"] == 3 for k, r in rows.items() if k > at) or any(
+        def joiner_contributed() -> bool:  # (its own rows: three members did before the kill)
+            rows = outer_by_step(folder_metrics(n3)).values()
+            return any(r["contributors"] == 3 for r in rows) or any(
                 p.poll() is not None for p in survivors
             )
 

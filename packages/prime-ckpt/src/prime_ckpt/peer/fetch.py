@@ -300,8 +300,9 @@ def fetch_checkpoint(
     """`fetch_from_peer`, from several donors at once: the tensors under the key prefixes
     `shared` (the same on every donor of a step) come from every donor that lays them out
     alike, the rest from the donors of one checkpoint (the digest most donors offer). When
-    all of those die mid-transfer, another donor's checkpoint of the step is taken, keeping
-    the shared bytes already in. Every file is checked against the committed checkpoint's
+    all of those die mid-transfer, another donor's checkpoint of the same step is taken (a
+    helper's, which its serving leased), keeping the shared bytes already in; if none is
+    left, the newest the donors left offer. Every file is checked against the committed checkpoint's
     SHA-256; a file that fails is fetched again from its digest's donors alone."""
     key = resolve_token(token)
     urls = _checked_urls(urls, connections, timeout, chunk_bytes)
@@ -309,9 +310,10 @@ def fetch_checkpoint(
     dest.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     served: Counter[str] = Counter()
-    live, previous = list(urls), None
+    live, previous, pending = list(urls), None, None
     for attempt in range(1, len(urls) + 1):
-        offers = ask_donors(live, key, timeout)
+        # after a primary died: the helpers of that step (serving it leased it on their side)
+        offers, pending = pending or ask_donors(live, key, timeout), None
         offer, donors = choose(offers, differ=bool(shared))
         if {MANIFEST_NAME, JOURNAL} & set(offer.manifest.files):
             raise PeerError(f"the manifest offered by {donors} lists reserved file names; refused")
@@ -357,6 +359,7 @@ def fetch_checkpoint(
                 raise
             log.warning("%s; taking another donor's checkpoint (%d left)", e, len(live))
             previous = (folder, offer.step, metas)
+            pending = [o for o in offers if o.step == offer.step and o.url in live] or None
             continue
         served.update(download.by_donor)
         if not _commit(folder, target, offer):
