@@ -135,8 +135,12 @@ def test_forged_and_malformed_input_never_registers(coordinator):
 
 
 def test_mismatched_joiner_is_refused(coordinator):
+    run_settings = {"model.n_layers": "2", "optim.lr": "0.003"}
     first = ElasticDeviceMesh(
-        coordinator.address, token=TOKEN, wait=False, metadata={"config_hash": "abc"}
+        coordinator.address,
+        token=TOKEN,
+        wait=False,
+        metadata={"config_hash": "abc", "settings": run_settings},
     )
     try:
         with pytest.raises(MeshRefused, match="local_world_size 2 differs from the run's 1"):
@@ -151,6 +155,15 @@ def test_mismatched_joiner_is_refused(coordinator):
         with pytest.raises(MeshRefused, match="config hash 'zzz' differs"):
             ElasticDeviceMesh(
                 coordinator.address, token=TOKEN, wait=False, metadata={"config_hash": "zzz"}
+            )
+        # the refusal names the settings that differ when both sides advertise them
+        mine = {**run_settings, "model.n_layers": "3"}
+        with pytest.raises(MeshRefused, match="model.n_layers is 3 here, 2 in the run; start"):
+            ElasticDeviceMesh(
+                coordinator.address,
+                token=TOKEN,
+                wait=False,
+                metadata={"config_hash": "zzz", "settings": mine},
             )
         assert _node_ids(coordinator) == [first.node_id]
     finally:

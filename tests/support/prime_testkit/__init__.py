@@ -8,7 +8,8 @@ than one test file uses lives here, once, one module per concern.
   that kill or stop their processes.
 - cli_node: prime-train nodes through the real CLI. `debug_args` (configs/debug.toml with a
   runs folder and a token cache), `clean_env` (no PRIME_* settings); `cli_node` /
-  `start_cli_node`: a node in its own working folder; `start_coordinator_cli`: `prime-mesh
+  `start_cli_node`: a node in its own working folder; `start_ranked_node`: one of several
+  rank processes, as torchrun starts it; `start_coordinator_cli`: `prime-mesh
   coordinator` as its own process; `start_local_node(s)`: node k of nodes
   sharing one runs folder (PRIME_LOCAL_NODE=k); `run_local_nodes`: such a job with its
   coordinator, run to its end or stopped with SIGTERM. The root conftest.py's module-scoped
@@ -45,6 +46,7 @@ from prime_testkit.cli_node import (
     start_coordinator_cli,
     start_local_node,
     start_local_nodes,
+    start_ranked_node,
 )
 from prime_testkit.mesh import FakeClock, FakeConn, node_states
 from prime_testkit.nodes import Nodes
@@ -113,6 +115,7 @@ __all__ = [
     "start_coordinator_cli",
     "start_local_node",
     "start_local_nodes",
+    "start_ranked_node",
     "trace",
     "wait_until",
 ]

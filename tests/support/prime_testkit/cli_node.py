@@ -94,6 +94,26 @@ def start_cli_node(
                               cwd=folder)  # fmt: skip
 
 
+def start_ranked_node(
+    children: Children, folder: Path, ranks: int, **node: Any
+) -> list[subprocess.Popen]:
+    """`cli_node(folder, **node)` as a node of `ranks` processes, as torchrun starts one on a
+    machine of several GPUs (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), every rank's
+    output appended to the log beside `folder`; returns the rank processes, rank 0 first."""
+    from prime_testkit.children import free_port
+
+    argv, env = cli_node(folder, **node)
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+             "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks)}  # fmt: skip
+    procs = []
+    with open(folder.with_suffix(".log"), "a") as out:
+        for r in range(ranks):
+            procs.append(children.popen(argv, env={**env, **world, "RANK": str(r),
+                                                   "LOCAL_RANK": str(r)},
+                                        stdout=out, stderr=subprocess.STDOUT, cwd=folder))  # fmt: skip
+    return procs
+
+
 def start_local_node(
     children: Children, k: int, *, coordinator: str, token: str, args: Sequence[str], log: Path,
     **env: str,

@@ -19,7 +19,9 @@ from prime_ckpt.failures import CheckpointFailure
 from prime_ckpt.manager import CheckpointManager
 from prime_ckpt.manifest import committed_steps, step_dirname
 from prime_ckpt.peer import (
+    PeerFetch,
     ask_donors,
+    fetch_checkpoint,
     fetch_from_peer,
     fetch_side_file,
     list_side_files,
@@ -43,12 +45,14 @@ __all__ = [
     "NoPeerError",
     "PeerAuthError",
     "PeerError",
+    "PeerFetch",
     "PeerGoneError",
     "SaveHandle",
     "StateMismatch",
     "TIERS",
     "ask_donors",
     "committed_steps",
+    "fetch_checkpoint",
     "fetch_from_peer",
     "fetch_side_file",
     "is_dtensor",

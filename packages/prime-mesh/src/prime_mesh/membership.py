@@ -40,6 +40,7 @@ from prime_mesh.reform import (
     plan_reform,
     resume_of,
 )
+from prime_mesh.settings_diff import settings_differences
 
 log = logging.getLogger("prime_mesh.coordinator")
 
@@ -99,9 +100,11 @@ class Membership:
                 "start every node with the same number of local ranks"
             )
         if run is not None and run.metadata.get("config_hash") != metadata.get("config_hash"):
+            differ = settings_differences(run.metadata.get("settings"), metadata.get("settings"))
             raise Refused(
                 f"config hash {metadata.get('config_hash')!r} differs from the run's "
-                f"{run.metadata.get('config_hash')!r}: start this node with the run's config"
+                f"{run.metadata.get('config_hash')!r}{differ}; start this node with the run's "
+                "config"
             )
         if (
             self.completed is not None

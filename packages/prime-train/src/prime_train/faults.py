@@ -10,6 +10,7 @@ environment itself.
 | `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 | `PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND` | (any non-empty value) a joiner's download of an update-log entry ends only once its donor logged a newer round than when it began (at most 60 s): one round's update takes longer to move than a round lasts, however fast the machine |
+| `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prime_train.metrics import Log
 
@@ -85,4 +87,26 @@ def hold_entry(newest: Callable[[], int], began_at: int) -> None:
         return
     end = time.monotonic() + 60.0
     while time.monotonic() < end and newest() <= began_at:
+        time.sleep(0.2)
+
+
+WAIT_AFTER_SNAPSHOT_ENV = "PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT"
+_wait_after_snapshot = [os.environ.get(WAIT_AFTER_SNAPSHOT_ENV)]  # used up by the first join
+NOTHING_HELD = 10**9  # an outer step no run reaches: a hold from there keeps no entry
+
+
+def wait_after_snapshot(log: Log | None, holder: Any, outer_step: int) -> None:
+    """`PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT`: after the first snapshot (of outer step
+    `outer_step`), move the joiner's hold (`catch_up.Holder`, None on other local ranks) past
+    every entry, so the members may prune, and wait for the file (bounded)."""
+    path, _wait_after_snapshot[0] = _wait_after_snapshot[0], None
+    if not path:
+        return
+    if holder is not None:
+        holder.first = NOTHING_HELD
+        holder.renew()
+    if log is not None:
+        log.info(f"fault hook: holding after the snapshot of outer step {outer_step}, no hold")
+    end = time.monotonic() + 600.0
+    while time.monotonic() < end and not os.path.exists(path):
         time.sleep(0.2)

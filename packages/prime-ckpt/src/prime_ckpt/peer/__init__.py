@@ -6,7 +6,7 @@ step = fetch_from_peer([server.url], dest, token=...)         # on the joiner
 
 from prime_ckpt.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneError
 from prime_ckpt.peer.auth import resolve_token
-from prime_ckpt.peer.fetch import ask_donors, fetch_from_peer
+from prime_ckpt.peer.fetch import PeerFetch, ask_donors, fetch_checkpoint, fetch_from_peer
 from prime_ckpt.peer.server import PeerServer, serve_directory
 from prime_ckpt.peer.side_files import fetch_side_file, list_side_files
 
@@ -15,8 +15,10 @@ __all__ = [
     "PeerAuthError",
     "PeerError",
     "PeerGoneError",
+    "PeerFetch",
     "PeerServer",
     "ask_donors",
+    "fetch_checkpoint",
     "fetch_from_peer",
     "fetch_side_file",
     "list_side_files",

@@ -4,6 +4,11 @@ The download goes into `dest/.peer-step-<step>-<digest prefix>.partial/` (a name
 checkpoint reader treats as committed), which is kept when a transfer fails so that a rerun
 resumes it. Once every file matches its SHA-256 the folder is fsynced and renamed to
 `dest/step-<step>/`, so `CheckpointManager(disk_dir=dest)` sees either nothing or all of it.
+
+With `shared` key prefixes (`fetch_checkpoint`), donors of the same step whose checkpoints
+differ (each node's own optimizer moments) help with the tensors they hold alike
+(`peer/shared.py`), and when every donor of the chosen digest dies mid-transfer another
+donor's checkpoint is taken, keeping the shared bytes already downloaded.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prime_ckpt.errors import (
@@ -25,6 +31,7 @@ from prime_ckpt.errors import (
     PeerBusy,
     PeerError,
     PeerFailed,
+    PeerGoneError,
 )
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
@@ -37,7 +44,15 @@ from prime_ckpt.manifest import (
 from prime_ckpt.peer.auth import resolve_token
 from prime_ckpt.peer.catalog import Offer
 from prime_ckpt.peer.client import Connection, normalize_url
-from prime_ckpt.peer.transfer import JOURNAL, Download
+from prime_ckpt.peer.shared import (
+    adopt,
+    common_ranges,
+    data_file,
+    helper_ranges,
+    meta_files,
+    read_file,
+)
+from prime_ckpt.peer.transfer import JOURNAL, Download, Journal
 
 log = logging.getLogger("prime_ckpt.peer")
 
@@ -88,15 +103,16 @@ def ask_donors(urls: list[str], token: bytes, timeout: float) -> list[Offer]:
     )
 
 
-def choose(offers: list[Offer]) -> tuple[Offer, list[str]]:
+def choose(offers: list[Offer], differ: bool = False) -> tuple[Offer, list[str]]:
     """The newest step; among donors of that step, the digest most of them offer (ties: the
-    first in the given order). Returns that offer and every URL offering the same digest."""
+    first in the given order). Returns that offer and every URL offering the same digest.
+    `differ`: the donors' checkpoints are expected to differ (each holds its own state)."""
     newest = max(o.step for o in offers)
     same_step = [o for o in offers if o.step == newest]
     counts = Counter(o.digest for o in same_step)
     best = max(same_step, key=lambda o: (counts[o.digest], -same_step.index(o)))
     if len(counts) > 1:
-        log.warning(
+        (log.info if differ else log.warning)(
             "donors disagree on step %d (%d digests); taking %s... offered by %d",
             newest,
             len(counts),
@@ -194,6 +210,8 @@ def _download_verified(download: Download, offer: Offer, workers: int) -> None:
                     f"serve corrupt files (partial download kept in {folder})"
                 )
             log.warning("%d file(s) failed their checksum; fetching them again", len(bad))
+            if download.helpers.alive():  # a helper's bytes differ after all: none of theirs
+                download.drop_helpers("a file it helped with failed its checksum")
             download.journal.forget(bad)
             for name in bad:
                 del download.checked[name]
@@ -237,33 +255,124 @@ def fetch_from_peer(
     SHA-256, resumable after a crash, failing over only to donors of the same manifest digest.
     `timeout` bounds every connect and read; `token` defaults to $PRIME_TOKEN.
     """
+    return fetch_checkpoint(urls, dest, token, connections, timeout, chunk_bytes).step
+
+
+@dataclass
+class PeerFetch:
+    """What `fetch_checkpoint` did: the step committed into `dest`, the donor whose checkpoint
+    it is (`primary`, its URL: the source of everything not shared), and the bytes each donor
+    served (primaries that died mid-transfer included)."""
+
+    step: int
+    primary: str
+    bytes_by_donor: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    primaries: int = 1  # checkpoints started (> 1: every donor of one died mid-transfer)
+
+
+def _primary_metas(
+    folder: Path, offer: Offer, donors: list[str], key: bytes, timeout: float
+) -> dict[str, bytes]:
+    """The tensor tables of the chosen checkpoint, written into its partial folder (and its
+    journal, so the download skips them): what the helpers' tables are compared with."""
+    metas = {m: read_file(donors, offer, m, key, timeout) for m in meta_files(offer)}
+    journal = Journal(folder)
+    try:
+        for name, data in metas.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data)
+            journal.mark(name, 0, len(data))
+    finally:
+        journal.close()
+    return metas
+
+
+def fetch_checkpoint(
+    urls: str | Sequence[str],
+    dest: str | Path,
+    token: str | bytes | None = None,
+    connections: int = 4,
+    timeout: float = 20.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shared: Sequence[tuple] = (),
+) -> PeerFetch:
+    """`fetch_from_peer`, from several donors at once: the tensors under the key prefixes
+    `shared` (the same on every donor of a step) come from every donor that lays them out
+    alike, the rest from the donors of one checkpoint (the digest most donors offer). When
+    all of those die mid-transfer, another donor's checkpoint of the same step is taken (a
+    helper's, which its serving leased), keeping the shared bytes already in; if none is
+    left, the newest the donors left offer. Every file is checked against the committed checkpoint's
+    SHA-256; a file that fails is fetched again from its digest's donors alone."""
     key = resolve_token(token)
     urls = _checked_urls(urls, connections, timeout, chunk_bytes)
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-
-    offer, donors = choose(ask_donors(urls, key, timeout))
-    if {MANIFEST_NAME, JOURNAL} & set(offer.manifest.files):
-        raise PeerError(f"the manifest offered by {donors} lists reserved file names; refused")
-    target = dest / step_dirname(offer.step)
-    if _already_have(target, offer):
-        log.info("%s already holds step %d; nothing to fetch", dest, offer.step)
-        return offer.step
-    folder = _open_partial(dest, offer, donors)
     t0 = time.monotonic()
-    download = Download(
-        folder, offer.manifest, offer.digest, donors, key, connections, timeout, chunk_bytes
-    )
-    _download_verified(download, offer, connections)
-    if not _commit(folder, target, offer):
-        return offer.step
-    dt = time.monotonic() - t0
-    log.info(
-        "fetched step %d into %s: %.1f MB new in %.1fs (%.1f MB/s)",
-        offer.step,
-        target,
-        download.fetched / 1e6,
-        dt,
-        download.fetched / 1e6 / max(dt, 1e-9),
-    )
-    return offer.step
+    served: Counter[str] = Counter()
+    live, previous, pending = list(urls), None, None
+    for attempt in range(1, len(urls) + 1):
+        # after a primary died: the helpers of that step (serving it leased it on their side)
+        offers, pending = pending or ask_donors(live, key, timeout), None
+        offer, donors = choose(offers, differ=bool(shared))
+        if {MANIFEST_NAME, JOURNAL} & set(offer.manifest.files):
+            raise PeerError(f"the manifest offered by {donors} lists reserved file names; refused")
+        target = dest / step_dirname(offer.step)
+        if _already_have(target, offer):
+            log.info("%s already holds step %d; nothing to fetch", dest, offer.step)
+            return PeerFetch(offer.step, donors[0], dict(served), time.monotonic() - t0, attempt)
+        folder = _open_partial(dest, offer, donors)
+        helpers, ranges, metas = {}, {}, {}
+        if shared:
+            metas = _primary_metas(folder, offer, donors, key, timeout)
+            others = [o for o in offers if o.step == offer.step and o.digest != offer.digest]
+            helpers, ranges = helper_ranges(metas, others, shared, key, timeout)
+            if previous is not None and previous[0] != folder and previous[1] == offer.step:
+                common = {
+                    data_file(m): common_ranges(metas[m], previous[2][m], shared)
+                    for m in metas
+                    if m in previous[2]
+                }
+                kept = adopt(previous[0], folder, common, JOURNAL)
+                log.info("kept %.1f MB of shared tensors from the abandoned transfer", kept / 1e6)
+            if helpers:
+                log.info("%d more donor(s) help with the shared tensors", len(helpers))
+        download = Download(
+            folder,
+            offer.manifest,
+            offer.digest,
+            donors,
+            key,
+            connections,
+            timeout,
+            chunk_bytes,
+            helpers=helpers,
+            shared=ranges,
+        )
+        try:
+            _download_verified(download, offer, connections)
+        except PeerGoneError as e:
+            served.update(download.by_donor)
+            gone = set(download.donors.dropped) | set(download.helpers.dropped)
+            live = [u for u in live if u not in gone]
+            if not shared or not live:
+                raise
+            log.warning("%s; taking another donor's checkpoint (%d left)", e, len(live))
+            previous = (folder, offer.step, metas)
+            pending = [o for o in offers if o.step == offer.step and o.url in live] or None
+            continue
+        served.update(download.by_donor)
+        if not _commit(folder, target, offer):
+            return PeerFetch(offer.step, donors[0], dict(served), time.monotonic() - t0, attempt)
+        dt = time.monotonic() - t0
+        log.info(
+            "fetched step %d into %s: %.1f MB new in %.1fs (%.1f MB/s) from %d donor(s)",
+            offer.step,
+            target,
+            download.fetched / 1e6,
+            dt,
+            download.fetched / 1e6 / max(dt, 1e-9),
+            len(download.by_donor),
+        )
+        return PeerFetch(offer.step, donors[0], dict(served), dt, attempt)
+    raise PeerGoneError(f"every donor died during the transfer (tried {len(urls)})")

@@ -6,6 +6,10 @@ chunk is recorded in the folder's journal (`.progress`) once its bytes are writt
 after a crash only fetches what is missing; the final SHA-256 check catches anything the
 journal claims but the disk lost. A donor that fails twice in a row, or answers 410, is
 dropped and its chunks go to the remaining donors; when none is left the transfer fails.
+
+Helpers (donors of the same step under another digest, `peer/shared.py`) serve only the
+byte ranges of the shared tensors (`shared`); the pinned digest's donors serve the rest first,
+then help with the shared ranges. Losing every helper only slows the transfer down.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class _Chunk:
     start: int
     end: int
     tries: int = 0
+    shared: bool = False  # inside a range that helpers may serve too
 
 
 class _Todo:
@@ -153,11 +158,9 @@ class _Donors:
         self.dropped: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def pick(self, slot: int, current: str | None) -> str | None:
+    def alive(self) -> list[str]:
         with self._lock:
-            if current in self._alive:
-                return current
-            return self._alive[slot % len(self._alive)] if self._alive else None
+            return list(self._alive)
 
     def ok(self, url: str) -> None:
         self._strikes[url] = 0
@@ -188,11 +191,17 @@ class Download:
         connections: int,
         timeout: float,
         chunk_bytes: int,
+        helpers: dict[str, str] | None = None,
+        shared: dict[str, list[tuple[int, int]]] | None = None,
     ) -> None:
         self.folder, self.manifest, self.digest = folder, manifest, digest
         self.token, self.connections, self.timeout = token, connections, timeout
         self.chunk_bytes = chunk_bytes
         self.donors = _Donors(urls)
+        self.helper_digests = dict(helpers or {})  # helper url -> the digest it serves
+        self.helpers = _Donors(list(self.helper_digests))
+        self.shared = shared or {}
+        self.by_donor: dict[str, int] = {}  # bytes each donor served in this run
         self.journal = Journal(folder)
         self.fetched = 0  # bytes downloaded by this run (not counting resumed ones)
         self._lock = threading.Lock()
@@ -213,19 +222,42 @@ class Download:
             fds[name] = fd
         return fds
 
+    def drop_helpers(self, reason: str) -> None:
+        """Serve everything from the pinned digest's donors from now on."""
+        for url in self.helpers.alive():
+            self.helpers.fail(url, reason, fatal=True)
+
+    def _pieces(self, name: str, size: int) -> list[tuple[int, int, bool]]:
+        """[start, end, shared] spans of a file, cut where the shared ranges start and end."""
+        out, pos = [], 0
+        for s, e in self.shared.get(name, ()) if self.helpers.alive() else ():
+            s, e = max(s, pos), min(e, size)
+            if s >= e:
+                continue
+            if pos < s:
+                out.append((pos, s, False))
+            out.append((s, e, True))
+            pos = e
+        if pos < size:
+            out.append((pos, size, False))
+        return out
+
     def run(self) -> None:
         """Download everything the journal does not list; raises PeerError on failure."""
         done = self.journal.load()
-        todo = _Todo()
+        self._own, self._shared = _Todo(), _Todo()
         total = 0
         for name, entry in sorted(self.manifest.files.items()):
-            for start in range(0, entry.size, self.chunk_bytes):
-                end = min(entry.size, start + self.chunk_bytes)
-                if not Journal.covers(done, name, start, end):
-                    todo.put(_Chunk(name, start, end))
-                    self._remaining += 1
-                    self._pending[name] = self._pending.get(name, 0) + 1
-                    total += end - start
+            for lo, hi, shared in self._pieces(name, entry.size):
+                for start in range(lo, hi, self.chunk_bytes):
+                    end = min(hi, start + self.chunk_bytes)
+                    if not Journal.covers(done, name, start, end):
+                        (self._shared if shared else self._own).put(
+                            _Chunk(name, start, end, shared=shared)
+                        )
+                        self._remaining += 1
+                        self._pending[name] = self._pending.get(name, 0) + 1
+                        total += end - start
         if not self._remaining:
             return
         fds = self._open_files()
@@ -233,11 +265,11 @@ class Download:
             workers = [
                 threading.Thread(
                     target=self._work,
-                    args=(i, todo, fds),
+                    args=(i, fds),
                     daemon=True,
                     name=f"prime-ckpt-fetch-{i}",
                 )
-                for i in range(min(self.connections, self._remaining))
+                for i in range(min(max(self.connections, len(self._all())), self._remaining))
             ]
             for w in workers:
                 w.start()
@@ -273,19 +305,31 @@ class Download:
     def _finished(self) -> bool:
         return self._remaining == 0 or self._error is not None or self.donors.empty()
 
-    def _work(self, slot: int, todo: _Todo, fds: dict[str, int]) -> None:
+    def _all(self) -> list[str]:
+        return self.donors.alive() + self.helpers.alive()
+
+    def _take(self, helper: bool) -> _Chunk | None:
+        """A helper takes shared chunks only; a donor of the pinned digest its own first."""
+        return self._shared.take() if helper else (self._own.take() or self._shared.take())
+
+    def _requeue(self, chunk: _Chunk) -> None:
+        (self._shared if chunk.shared else self._own).put(chunk)
+
+    def _work(self, slot: int, fds: dict[str, int]) -> None:
         conn: Connection | None = None
-        max_tries = 2 * _STRIKES * self.donors.count + 2
+        max_tries = 2 * _STRIKES * (self.donors.count + self.helpers.count) + 2
         try:
             while not self._finished():
-                chunk = todo.take()
+                alive = self._all()
+                if not alive:
+                    return
+                url = alive[slot % len(alive)]  # the slots spread over the donors left
+                helper = url in self.helper_digests
+                chunk = self._take(helper)
                 if chunk is None:  # all taken; one may come back if its donor fails
                     time.sleep(0.02)
                     continue
-                url = self.donors.pick(slot, conn.url if conn else None)
-                if url is None:
-                    todo.put(chunk)
-                    return
+                pool = self.helpers if helper else self.donors
                 if conn is None or conn.url != url:
                     if conn is not None:
                         conn.close()
@@ -295,7 +339,7 @@ class Download:
                 try:
                     n = conn.read_range(
                         self.manifest.step,
-                        self.digest,
+                        self.helper_digests.get(url, self.digest),
                         chunk.name,
                         chunk.start,
                         chunk.end,
@@ -304,23 +348,24 @@ class Download:
                     )
                 except PeerGone as e:
                     self._hashes.release(chunk.name, hasher, None)
-                    self.donors.fail(url, str(e), fatal=True)
-                    todo.put(chunk)
+                    pool.fail(url, str(e), fatal=True)
+                    self._requeue(chunk)
                     continue
                 except PeerFailed as e:
                     self._hashes.release(chunk.name, hasher, None)
-                    self.donors.fail(url, str(e))
+                    pool.fail(url, str(e))
                     if chunk.tries >= max_tries:
                         raise PeerError(
                             f"{chunk.name}: gave up after {chunk.tries} tries: {e}"
                         ) from e
-                    todo.put(chunk)
+                    self._requeue(chunk)
                     continue
                 self._hashes.release(chunk.name, hasher, chunk.end if hasher else None)
-                self.donors.ok(url)
+                pool.ok(url)
                 self.journal.mark(chunk.name, chunk.start, chunk.end)
                 with self._lock:
                     self.fetched += n
+                    self.by_donor[url] = self.by_donor.get(url, 0) + n
                     self._remaining -= 1
                     self._pending[chunk.name] -= 1
                     complete = self._pending[chunk.name] == 0

@@ -60,6 +60,7 @@ from prime_train.diloco.snapshot import (
     JoinRecord,
     fetch_members_state,
     members_left,
+    shared_tensors,
 )
 from prime_train.seam import ElasticOuterStep, OuterStepReport
 
@@ -103,10 +104,17 @@ def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: 
     got = on_primary(
         run,
         lambda: fetch_members_state(
-            membership, run.ckpt_dir, run.log, newer_than=record.snapshot_step, fresh=False
+            membership,
+            run.ckpt_dir,
+            run.log,
+            newer_than=record.snapshot_step,
+            fresh=False,
+            shared=shared_tensors(run.cfg.diloco.overlap),
         ),
     )
     record.snapshot_step, record.donor = got.snapshot_step, got.donor
+    for who, n in got.snapshot_donors.items():
+        record.snapshot_donors[who] = record.snapshot_donors.get(who, 0) + n
     record.bytes += got.bytes
     record.seconds += got.seconds
     record.snapshots += 1
@@ -228,10 +236,19 @@ def load_members_state(
         if holder is not None:
             stack.enter_context(holder)
         record: JoinRecord = on_primary(
-            run, lambda: fetch_members_state(membership, run.ckpt_dir, run.log, fresh=not replay)
+            run,
+            lambda: fetch_members_state(
+                membership,
+                run.ckpt_dir,
+                run.log,
+                fresh=not replay,
+                shared=shared_tensors(run.cfg.diloco.overlap),
+            ),
         )
         record.rejoined = rejoined
         _load(run, outer, record)
+        if replay:
+            faults.wait_after_snapshot(run.log, holder, outer.outer_steps)  # type: ignore[attr-defined]
         if replay and not listening(outer):  # (a listener fetches them while it listens)
             catch_up(run, outer, record, holder)
         if listening(outer):  # a listener's backlog stays pinned (`enter_running_job` ends it)
@@ -370,6 +387,7 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
             "fetched_step": record.snapshot_step,
             "fetch_bytes": record.bytes,
             "fetch_seconds": record.seconds,
+            "snapshot_donors": record.snapshot_donors,
             "load_seconds": record.load_seconds,
             "startup_seconds": startup,
             "snapshots": record.snapshots,

@@ -7,6 +7,7 @@ the mesh goes through `prime_train.diloco.outer_step.Diloco`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,7 @@ class Membership:
                 name=name,
                 metadata={
                     "config_hash": cfg.fingerprint_hash(),
+                    "settings": settings_summary(cfg),  # names what differs if refused
                     "serve_url": server.url if server else None,
                 },
                 token=token,
@@ -141,6 +143,19 @@ def register(
         dist.all_gather_object(told, membership.joining, group=group)
         assert len(set(told)) == 1, f"the node's ranks were told differently: {told}"
     return membership
+
+
+def settings_summary(cfg: Config) -> dict[str, str]:
+    """The settings in the config hash as `{"section.key": value}` (JSON, at most 80
+    characters each; "unset" for None): the coordinator names those that differ when it
+    refuses a node."""
+    return {
+        f"{section}.{key}": "unset"
+        if value is None
+        else json.dumps(value, sort_keys=True, default=str)[:80]
+        for section, values in cfg.fingerprint().items()
+        for key, value in values.items()
+    }
 
 
 def _members_now(mesh: ElasticDeviceMesh) -> int:

@@ -54,6 +54,16 @@ class OuterStepFailed(RuntimeError):
     """The outer step could not be agreed on within the allowed retries."""
 
 
+def join_cost(mesh: ElasticDeviceMesh, before: set[str], sync_seconds: float) -> dict:
+    """On a member, for the round whose sync point admitted nodes: who (`admitted`) and what
+    it cost this member (`join_seconds`: that sync point's time, re-forming the group with
+    them included); nothing otherwise, and nothing on the node admitted."""
+    admitted = sorted(set(mesh.global_members) - before)
+    if not before or not admitted or mesh.node_id in admitted:
+        return {}
+    return {"admitted": admitted, "join_seconds": round(sync_seconds, 3)}
+
+
 class JoinedLate(RunDirError):
     """A joiner was admitted at a later outer step than the state it loaded: its weights
     would differ from the members', so it leaves (the members go on without waiting)."""
@@ -158,7 +168,12 @@ class Diloco:
                     self.optimizer.compute_pseudo_gradient()
                 if not contributing:
                     self.optimizer.pseudo_gradient.zero_()
-                got = self.average(self.mesh.maybe_reinit_global_pg(), contributing, reads)
+                member = self.mesh.state == "member"  # (a joiner has no group yet)
+                before = set(self.mesh.global_members) if member else set()
+                t_sync = time.monotonic()
+                regrouped = self.mesh.maybe_reinit_global_pg()
+                sync_seconds = time.monotonic() - t_sync
+                got = self.average(regrouped, contributing, reads)
                 if self.vote(got):
                     if self.listener is None and got.late is not None and self.listen_late:
                         step += got.behind * self.cfg.inner_steps  # the members' round
@@ -174,9 +189,11 @@ class Diloco:
                     self.optimizer.apply()
                     extra = self._commit_data(got.consumed, self.mesh.global_members)
                     seconds = time.monotonic() - t0
+                    extra = {**(extra or {}), **self.feedback.metrics(),
+                             **join_cost(self.mesh, before, sync_seconds)}  # fmt: skip
                     report = self.rounds.record(
                         self.mesh, step, attempt, seconds, got.stats, got.contributors,
-                        extra={**(extra or {}), **self.feedback.metrics()},
+                        extra=extra,
                     )  # fmt: skip
                     self.log_update(report)
                     return report

@@ -2,6 +2,14 @@
 (`fetch_members_state`, on the node's local rank 0), and what a joiner does when the members
 leave meanwhile (`members_left`). `JoinRecord` is what a join did, start to finish; see
 `diloco/join.py` for the whole path.
+
+The snapshot comes from every member at once (`prime_ckpt.fetch_checkpoint`): what all
+members hold alike (`shared_tensors`: the outer weights and momentum, and in synchronous runs
+the model weights, which equal the outer weights at a boundary) from all of them, each under
+its own serving cap; what is a node's own (inner optimizer moments, RNG, error-feedback
+residual, data positions) from one of them, the *primary*, whose checkpoint it is. A donor that
+dies mid-transfer is replaced by the others; if it was the primary, another member's
+checkpoint of the same step is taken, keeping the shared bytes already in.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prime_ckpt import PeerError, ask_donors, fetch_from_peer, resolve_token, step_dirname
+from prime_ckpt import PeerError, ask_donors, fetch_checkpoint, resolve_token, step_dirname
 from prime_mesh import RunCompleted
 from prime_train.diloco.membership import Membership
 from prime_train.metrics import Log
@@ -19,6 +27,17 @@ from prime_train.rundir import RunDirError
 
 JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's (fresh) checkpoint
 POLL_S = 0.2
+# Range requests of 1 MiB: small enough that a tensor's bytes spread over every donor (the
+# request overhead is hidden by the parallel connections)
+CHUNK_BYTES = 1 << 20
+OUTER_STATE = ("diloco", "outer")  # outer weights and momentum: alike on every member
+
+
+def shared_tensors(overlap: str) -> list[tuple]:
+    """The checkpoint's tensors every member holds alike at an outer boundary: the outer
+    state, and with synchronous rounds the model weights (set to the outer weights at each
+    boundary; with `overlap = "delayed"` each node's model has trained on)."""
+    return [OUTER_STATE] if overlap == "delayed" else [OUTER_STATE, ("model",)]
 
 
 class JoinFailed(RunDirError):
@@ -48,6 +67,7 @@ class JoinRecord:
     listened_fetching: int = 0  # of the later ones, rounds committed while its backlog came
     backlog_seconds: float = 0.0  # fetching the backlog in the background while listening
     holder: Any = field(default=None, repr=False, compare=False)  # catch_up.Holder, kept open
+    snapshot_donors: dict[str, int] = field(default_factory=dict)  # node -> snapshot bytes
     shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
 
 
@@ -76,10 +96,12 @@ def fetch_members_state(
     log: Log,
     newer_than: int | None = None,
     fresh: bool = True,
+    shared: list[tuple] | None = None,
 ) -> JoinRecord:
     """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
     than `newer_than` if given, or with `fresh` newer than the newest one offered when it
-    started asking (made at a boundary after this node registered), then fetch it."""
+    started asking (made at a boundary after this node registered), then fetch it from every
+    member at once (`shared`: the tensors they hold alike; default: synchronous rounds')."""
     token = membership.token
     began = time.monotonic()  # the join's timeline starts here, waiting for a donor included
     deadline = began + JOIN_TIMEOUT_S
@@ -120,14 +142,32 @@ def fetch_members_state(
 
     t0 = time.monotonic()
     step, donor, errors = None, None, []
-    for _ in range(3 if fresh else 1):  # the donor made a newer checkpoint meanwhile: that one
-        for node_id, url in _newest_first(membership.donors(), token):
-            try:
-                step = fetch_from_peer([url], ckpt_dir, token=token)
-                donor = node_id
+    served: dict[str, int] = {}
+    shared = shared_tensors("none") if shared is None else shared
+    for _ in range(3 if fresh else 1):  # the donors made a newer checkpoint meanwhile: that one
+        step = None
+        for _attempt in range(2):  # a second time with the members left, if that failed
+            donors = _newest_first(membership.donors(), token)
+            names = {url.rstrip("/"): node_id for node_id, url in donors}
+            if not donors:
                 break
-            except (PeerError, OSError) as e:  # this donor died or refused: the next one
-                errors.append(f"{node_id}: {e}")
+            try:
+                got = fetch_checkpoint(
+                    list(names),
+                    ckpt_dir,
+                    token=token,
+                    connections=max(4, 2 * len(names)),
+                    chunk_bytes=CHUNK_BYTES,
+                    shared=shared,
+                )
+            except (PeerError, OSError) as e:  # every donor died or refused
+                errors.append(f"{sorted(names.values())}: {e}")
+                continue
+            step, donor = got.step, names.get(got.primary, got.primary)
+            for url, n in got.bytes_by_donor.items():
+                who = names.get(url, url)
+                served[who] = served.get(who, 0) + n
+            break
         if step is None:
             if not membership.donors():  # they left mid-transfer: completed, or gone
                 left = members_left(membership, time.monotonic() - MEMBERS_GONE_S - 1)
@@ -139,8 +179,20 @@ def fetch_members_state(
             break
     seconds = time.monotonic() - t0
     size = _folder_bytes(ckpt_dir / step_dirname(step))
+    if len(served) > 1:
+        log.info(
+            f"snapshot of step {step} from {len(served)} members at once: "
+            + ", ".join(f"{n} {b / 1e6:.2f} MB" for n, b in sorted(served.items()))
+            + f" (the node's own state from {donor})"
+        )
     return JoinRecord(
-        step=step, donor=donor, bytes=size, seconds=seconds, snapshot_step=step, started=began
+        step=step,
+        donor=donor,
+        bytes=size,
+        seconds=seconds,
+        snapshot_step=step,
+        started=began,
+        snapshot_donors=served,
     )
 
 

@@ -1,0 +1,65 @@
+"""A node of two ranks joins a running job of two such nodes (issue #24): each rank of the
+joiner loads its shard of the members' snapshot, replays its shard of their updates, and the
+node enters with every shard's hash equal to theirs. Through the CLI, each node's ranks
+started as torchrun starts them, each node in its own folder.
+"""
+
+import signal
+
+import pytest
+
+from prime_mesh import Coordinator
+from prime_testkit import folder_metrics, log_tails, outer_by_step, start_ranked_node, wait_until
+
+TOKEN = "join-ranks-test-token"
+NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": 10,
+        "args": ["--data.seq_len", "64", "--train.batch_size", "4", "--mesh.serve_mbit", "4"]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_node_of_two_ranks_joins_two_running_ones(tmp_path, token_cache, children):
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
+    try:
+        nodes = []
+        for k, folder in enumerate((n0, n1)):
+            nodes.append(start_ranked_node(children, folder, 2, coordinator=coord.address,
+                                           cache=token_cache, **NODE))  # fmt: skip
+            wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
+        everyone = [p for ranks in nodes for p in ranks]
+        wait_until(lambda: 1 in outer_by_step(folder_metrics(n0))
+                   or any(p.poll() is not None for p in everyone), 240,
+                   what="the members' first outer step")  # fmt: skip
+        assert all(p.poll() is None for p in everyone), log_tails(tmp_path)
+        joiner = start_ranked_node(children, n2, 2, coordinator=coord.address, cache=token_cache,
+                                   **NODE)  # fmt: skip
+        everyone += joiner
+
+        def joiner_contributed() -> bool:
+            rows = outer_by_step(folder_metrics(n0)).values()
+            return any(r["contributors"] == 3 for r in rows) or any(
+                p.poll() is not None for p in everyone
+            )
+
+        wait_until(joiner_contributed, 300, what="a round the joiner contributed to")
+        for ranks in (*nodes, joiner):  # each node stops at its next outer boundary
+            ranks[0].send_signal(signal.SIGTERM)
+            ranks[1].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in everyone]
+    finally:
+        coord.close()
+    assert codes == [0] * 6, log_tails(tmp_path)
+    joined = [r for r in folder_metrics(n2) if r.get("joined")]
+    assert len(joined) == 1, log_tails(tmp_path)
+    mine = outer_by_step(folder_metrics(n2))
+    assert mine, log_tails(tmp_path)
+    for m in (n0, n1):
+        theirs = outer_by_step(folder_metrics(m))
+        shared = [k for k in mine if k in theirs]
+        assert min(mine) in shared and len(shared) >= 2, log_tails(tmp_path)
+        for k in shared:  # every rank's shard, and the node's hash
+            assert len(mine[k]["shard_sha256"]) == 2, mine[k]
+            assert mine[k]["shard_sha256"] == theirs[k]["shard_sha256"], (k, log_tails(tmp_path))
+            assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
+    assert any(r["contributors"] == 3 for r in outer_by_step(folder_metrics(n0)).values())
