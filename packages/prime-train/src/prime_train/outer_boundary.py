@@ -9,12 +9,13 @@ membership is lost there.
 - evicted (a cut link, a stall: `MeshEvicted`) or the coordinator lost (`CoordinatorLost`):
   rejoin the others by itself through live recovery (`diloco/rejoin.py`), when it can.
 
-With `[diloco] round_seconds = T > 0` a round ends when it has lasted T seconds (from its
-first inner step; at least `min_inner_steps`, at most `inner_steps` steps, decided alike by
-the node's ranks). The run's position still moves by `inner_steps` per committed round: the
-loop's step jumps to the round's nominal end (`round_start + inner_steps`), so every
-boundary stays a multiple of H and the learning rate, `train.steps`, the checkpoint and
-evaluation cadences follow the rounds the whole run committed, not a node's own count.
+With `[diloco] round_seconds = T > 0` a round ends when it has lasted T seconds from its
+first inner step, or would after one more step at the node's recent pace (at least
+`min_inner_steps`, at most `inner_steps` steps, decided alike by the node's ranks). The
+run's position still moves by `inner_steps` per committed round: the loop's step jumps to
+the round's nominal end (`round_start + inner_steps`), so every boundary stays a multiple
+of H and the learning rate, `train.steps`, the checkpoint and evaluation cadences follow the
+rounds the whole run committed, not a node's own count.
 
 Checkpoints taken at a boundary go through `checkpoint`, which handles a coordinator found gone
 there (an overlapped outer step's round ends in its checkpoint) the same way.
@@ -34,7 +35,12 @@ import torch.distributed as dist
 
 from prime_mesh import CoordinatorGone
 from prime_train.diloco.committed import CommittedState
-from prime_train.diloco.rejoin import MEMBERSHIP_LOST, rejoin_running_job
+from prime_train.diloco.rejoin import (
+    MEMBERSHIP_LOST,
+    check_missed_allowed,
+    left_out,
+    rejoin_running_job,
+)
 from prime_train.run import Run
 from prime_train.seam import ElasticOuterStep, OuterStep, OuterStepReport
 
@@ -52,7 +58,9 @@ class OuterBoundary:
             and not outer.overlapped  # no round in flight may cross the loss
         )
         self.committed = CommittedState.take(run, start)
-        self.rejoins = 0
+        self.rejoins = 0  # all rejoins (the rows' `rejoined`)
+        self.lost = 0  # losses but leave-outs (`diloco.max_rejoins`, per run)
+        self.missed = 0  # leave-outs in a row (`diloco.max_missed_rounds`)
         self.step_seconds = 0.0  # a running mean of the inner step's time
         d = run.cfg.diloco
         self.round_seconds = d.round_seconds
@@ -86,7 +94,8 @@ class OuterBoundary:
         if ran < self.min_steps:
             return False
         assert self.round_t0 is not None  # set by the step's compute time
-        over = [time.monotonic() - self.round_t0 >= self.round_seconds]
+        # no step expected to end past T (the slow node's overshoot would hold the others)
+        over = [time.monotonic() - self.round_t0 + self.step_seconds > self.round_seconds]
         if self.run.placement.world_size > 1:  # the node's ranks end the round together
             dist.broadcast_object_list(over, group_src=0, group=self.run.placement.group)
         return bool(over[0])
@@ -107,7 +116,15 @@ class OuterBoundary:
             if not self.can_rejoin or self.elastic is None:
                 raise
             self.rejoins += 1
-            step = rejoin_running_job(self.run, self.elastic, e, self.rejoins)
+            if left_out(e):
+                self.missed += 1
+                check_missed_allowed(self.run, e, self.missed)
+            else:
+                self.lost += 1
+            step = rejoin_running_job(self.run, self.elastic, e, self.rejoins, bound=self.lost)
+        else:
+            if report is not None:  # a round this node contributed to committed
+                self.missed = 0
         self.committed = CommittedState.take(self.run, step, report)
         self.round_start, self.round_t0 = step, None
         return step
