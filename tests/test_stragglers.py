@@ -21,11 +21,11 @@ from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_no
 
 TOKEN = "stragglers-test-token"
 H = 20
-STEPS = 200  # 10 rounds of the run's position (H per committed round)
+STEPS = 160  # 8 rounds of the run's position (H per committed round)
 # a fast step takes ~0.1-0.4 s here (idle to loaded): a fast node runs all H steps in T, or
 # at least H/2; the slow node (5x) stays below H even on an idle machine
 ROUND_S = 5.0
-STOP_AFTER = 4  # outer steps committed before the SIGTERM
+STOP_AFTER = 3  # outer steps committed before the SIGTERM
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H,
         "args": ["--diloco.round_seconds", str(ROUND_S), "--train.stop_within_s", "120",
                  "--ckpt.every", "0"]}  # fmt: skip
