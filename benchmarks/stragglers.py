@@ -72,7 +72,9 @@ def mesh_run(a, children, work: Path, cache: Path, name: str, slow: bool, t: flo
     from prime_testkit import start_cli_node, wait_until
 
     folders = [work / name / f"node{k}" for k in range(3)]
-    args = ["--eval.every", str(a.inner_steps), "--ckpt.every", "0", "--run.log_every", "5"]
+    # (a small evaluation at every outer step: it is in every round's wall time)
+    args = ["--eval.every", str(a.inner_steps), "--eval.batches", "2", "--ckpt.every", "0",
+            "--run.log_every", "5"]  # fmt: skip
     if t:
         args += ["--diloco.round_seconds", f"{t:.3f}"]
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
