@@ -122,9 +122,8 @@ class OuterBoundary:
             else:
                 self.lost += 1
             step = rejoin_running_job(self.run, self.elastic, e, self.rejoins, bound=self.lost)
-        else:
-            if report is not None:  # a round this node contributed to committed
-                self.missed = 0
+        else:  # this node reached the sync point in time: a round with it settled
+            self.missed = 0
         self.committed = CommittedState.take(self.run, step, report)
         self.round_start, self.round_t0 = step, None
         return step
