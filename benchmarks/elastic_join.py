@@ -75,6 +75,9 @@ def figures(job, args) -> dict:
         "replay_bytes": joined["replay_bytes"],
         "replay_s": joined["replay_seconds"],
         "late_admissions": joined["late_admissions"],
+        "listened_rounds": joined.get("listened", 0),
+        "listened_while_backlog_came": joined.get("listened_fetching", 0),
+        "backlog_s": joined.get("backlog_seconds", 0.0),
         "admitted_s": joined["admitted_seconds"],
         "start_to_first_contribution_s": to_contrib,
         "goal_start_to_contribution_s": goal_s,
@@ -105,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for the JSON (default: a temporary one)")
     args = ap.parse_args(argv)
     args.serve_mbit = args.serve_mbit or args.mbit / 2
-    args.eval_every = 0
-    args.extra_args = ["--mesh.serve_mbit", str(args.serve_mbit)]
+    args.eval_every = 0  # the job passes --serve-mbit to every node as mesh.serve_mbit
 
     from prime_netbed import bed_unavailable_reason
 
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="elastic_join-"))
     t0 = time.time()
     job, exits, left = run_job("join", schedule.parse("o2:add", 2), 2, args, work)
-    result = {"args": {k: v for k, v in vars(args).items() if k != "extra_args"},
+    result = {"args": vars(args),
               "exits": exits, "leftovers": left, **figures(job, args),
               "wall_s": time.time() - t0}  # fmt: skip
     result["checks"]["nodes_exit_0"] = set(exits.values()) == {0}

@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps")
     ap.add_argument("--schedule", default=None, help="faults (default: every kind, see above)")
     ap.add_argument("--quick", action="store_true", help="2 nodes, a short run and schedule")
+    ap.add_argument(
+        "--serve-mbit", type=float, default=None,
+        help="cap on each node's serving to joiners, Mbit/s (default: mesh.serve_mbit's)",
+    )  # fmt: skip
     ap.add_argument("--heartbeat-interval", type=float, default=0.5)
     ap.add_argument("--heartbeat-timeout", type=float, default=4.0)
     ap.add_argument("--coordinator-grace", type=float, default=60.0)
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         # short rounds: a joiner whose fetch outlasts rounds replays them (issue #24)
         args.nodes, args.steps, args.inner_steps, args.eval_every = 2, 300, 10, 50
+
     text = args.schedule or (schedule.QUICK if args.quick else schedule.DEFAULT)
     try:
         events = schedule.parse(text, args.nodes)
@@ -227,7 +232,7 @@ def summarise(args, text, chaos, exits, left, calm, calm_left) -> dict:
         "tokens": {"chaos": report.tokens(chaos, per), "undisturbed": report.tokens(calm, per)},
         "wall_s": {"chaos": wall_c, "undisturbed": wall_u, "ratio": wall_c / wall_u},
         "timeline": chaos.timeline,
-        "events": report.event_delays(chaos),
+        "events": report.event_delays(chaos, args.inner_steps),
         "bytes": report.bytes_per_step(chaos, n),
         "checks": checks,
         "reruns": [e for e in chaos.timeline if e["kind"] == "rerun"],
@@ -239,11 +244,12 @@ def summarise(args, text, chaos, exits, left, calm, calm_left) -> dict:
     print("\ntimeline (chaos run)\n| t (s) | event | members | outer step |\n|---|---|---|---|")
     for e in chaos.timeline:
         print(f"| {e['t']:.1f} | {e['event']} | {e['members']} | {e['outer_step']} |")
-    print("\n| event | t (s) | survivors commit again (s) | node contributes again (s) |")
-    print("|---|---|---|---|")
+    print("\n| event | t (s) | survivors commit again (s) | node contributes again (s) "
+          "| its snapshot (s) | rounds it caught up |\n|---|---|---|---|---|---|")  # fmt: skip
     for d in result["events"]:
         print(f"| {d['event']} | {d['t']} | {d['commit_again_s'] or '-'} | "
-              f"{d['contributes_again_s'] or '-'} |")  # fmt: skip
+              f"{d['contributes_again_s'] or '-'} | {d.get('snapshot_s', '-')} | "
+              f"{d.get('rounds_caught_up', '-')} |")  # fmt: skip
     h, tk, w, b = result["heldout_loss"], result["tokens"], result["wall_s"], result["bytes"]
     ratio = f"{h['ratio']:.3f}" if h["ratio"] else "n/a"
     print(f"\n| figure | chaos | undisturbed | ratio |\n|---|---|---|---|\n"

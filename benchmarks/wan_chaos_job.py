@@ -18,6 +18,7 @@ from wan_chaos_schedule import Event
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "wan-chaos-benchmark-token"
 PORT = 29400
+ROW_KEYS = ("outer_step", "eval_loss", "joined")  # the metrics rows the report reads
 
 
 def _grace_known() -> bool:
@@ -94,7 +95,7 @@ class Job:
                "--mesh.coordinator", self.coordinator,
                "--mesh.host", self.bed.ip(k),
                "--mesh.node_name", f"node{k}",
-               *getattr(a, "extra_args", [])]  # fmt: skip
+               *(["--mesh.serve_mbit", str(a.serve_mbit)] if a.serve_mbit else [])]  # fmt: skip
         log = open(self.dir / f"node{k}.log", "a")  # noqa: SIM115 - the child holds it
         self.procs[k] = self.children.popen(
             self.bed.exec_prefix(k) + cmd, env=self.env(), stdout=log,
@@ -185,7 +186,7 @@ class Job:
                 continue
             seen = self.rows.setdefault(k, {})
             for line in path.read_text().splitlines():
-                if line in seen or '"outer_step"' not in line and '"eval_loss"' not in line:
+                if line in seen or not any(f'"{key}"' in line for key in ROW_KEYS):
                     continue
                 try:
                     row = json.loads(line)
@@ -202,6 +203,13 @@ class Job:
     def outer_rows(self) -> list[dict]:
         return sorted(
             (r for rows in self.rows.values() for r in rows.values() if "outer_step" in r),
+            key=lambda r: r["time"],
+        )
+
+    def joined_rows(self) -> list[dict]:
+        """The rows a node writes as it enters the running job (its join's timeline)."""
+        return sorted(
+            (r for rows in self.rows.values() for r in rows.values() if r.get("joined")),
             key=lambda r: r["time"],
         )
 

@@ -78,10 +78,11 @@ def tokens(job, tokens_per_step: int) -> int:
     )
 
 
-def event_delays(job) -> list[dict]:
+def event_delays(job, inner_steps: int) -> list[dict]:
     """Per event: seconds until the survivors commit again, and until the node it concerns
     contributes again (its first outer step after the event in which every member
-    contributed, i.e. past its entry step)."""
+    contributed, i.e. past its entry step); for a node that (re)entered, its snapshot's
+    seconds and the rounds the members committed between its snapshot and its entry."""
     rows = job.outer_rows()
     out = []
     for e in job.timeline:
@@ -97,6 +98,12 @@ def event_delays(job) -> list[dict]:
             back = [r for r in after if r["node"] == e["node"] and r["contributors"] == r["nodes"]]
             if back:
                 d["contributes_again_s"] = round(back[0]["time"] - t, 2)
+            entry = [r for r in job.joined_rows() if r["node"] == e["node"] and r["time"] > t]
+            if entry:  # how far behind its snapshot left it: the rounds it caught up
+                j = entry[0]
+                d["snapshot_s"] = round(j["fetch_seconds"], 2)
+                d["rounds_caught_up"] = (j["step"] - j["fetched_step"]) // inner_steps
+                d["late_admissions"] = j.get("late_admissions", 0)
         out.append(d)
     return out
 

@@ -121,6 +121,18 @@ def test_every_slot_is_read_once_in_order_through_join_kill_and_stall(
         hashes = {k: r["outer_sha256"] for k, r in outer_by_step(folder_metrics(folder)).items()}
         theirs = outer_by_step(folder_metrics(folders[0]))
         assert all(theirs[k]["outer_sha256"] == h for k, h in hashes.items() if k in theirs)
+    # the new node and the killed one run again each entered through live recovery: a member's
+    # state fetched (not node 1's own older checkpoint), an entry round of three members in
+    # which the one entering contributed nothing, and the members' hash from there on
+    theirs = outer_by_step(folder_metrics(folders[0]))
+    for k in (1, 2):
+        entry = [r for r in folder_metrics(folders[k]) if r.get("joined") and not r.get("rejoined")]
+        assert entry and entry[-1]["fetch_bytes"] > 0 and entry[-1]["donor"], entry
+        first = min(r["outer_step"] for r in outer_by_step(folder_metrics(folders[k])).values()
+                    if r["step"] >= entry[-1]["step"])  # fmt: skip
+        assert theirs[first]["nodes"] == 3 and theirs[first]["contributors"] < 3, theirs[first]
+        log = folders[k].with_suffix(".log").read_text()
+        assert "entered the running job at outer step" in log and "MB/s" in log, log[-3000:]
 
 
 @pytest.mark.slow

@@ -3,6 +3,11 @@ committed updates and enters with their exact outer weights, without exiting (is
 
 Through the CLI, each node its own process in its own folder; the members cap their serving
 rate (`mesh.serve_mbit`) so low that the joiner's checkpoint takes many short rounds to come.
+Synchronous: the donors serve at 4 Mbit/s, and every update-log entry the joiner downloads
+takes longer than a round (a fault hook ends its download only once the donor logged a newer
+round: at 4 Mbit/s an idle machine's rounds are about that short, a loaded one's are not):
+replaying alone never caught up; the joiner listens (`diloco/listen.py`) while its backlog
+comes, and the members do not wait for that transfer.
 """
 
 import signal
@@ -17,11 +22,20 @@ TOKEN = "join-replay-test-token"
 H = 10
 STEPS = 5000  # never ends by itself, however fast the machine: the test stops the nodes
 # 16 Mbit/s: the ~8.7 MB checkpoint takes ~4.4 s, several 10-step rounds on an idle machine
-# (~1 s each); an update (~0.55 MB packed) ~0.15 s from the two donors together. (At 4 Mbit/s
-# an update took about as long as an idle machine's round: the joiner never caught up, the
-# limit of replaying that #24's note states.)
+# (~1 s each); an update (~0.55 MB packed) ~0.15 s from the two donors together.
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H,
         "args": ["--mesh.serve_mbit", "16"]}  # fmt: skip
+# per overlap mode, the donors' cap: a delayed joiner replays the rounds it missed in place
+# (the members wait for that transfer at their next sync point), so it needs entries that move
+# faster than rounds; a synchronous one listens, and is tested where they move slower
+SERVE_MBIT = {"none": "4", "delayed": "16"}
+FAULTS = {
+    # every entry moves slower than a round (see the module doc)
+    "none": {"PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND": "1"},
+    # it says ready() 8 s late the first time: the members commit meanwhile and it is admitted
+    # late (then replays the rounds it missed in place, or leaves, replays and asks again)
+    "delayed": {"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"},
+}
 
 
 def first_outer_matches(tmp_path: Path, joiner: Path, members: list[Path]) -> int:
@@ -43,7 +57,7 @@ def first_outer_matches(tmp_path: Path, joiner: Path, members: list[Path]) -> in
 def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
     tmp_path, token_cache, children, overlap
 ):
-    node = {**NODE, "args": [*NODE["args"], "--diloco.overlap", overlap]}
+    node = {**NODE, "args": ["--mesh.serve_mbit", SERVE_MBIT[overlap], "--diloco.overlap", overlap]}
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     try:
         nodes = []
@@ -57,10 +71,8 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
         wait_until(lambda: 2 in outer_by_step(folder_metrics(n0)) or nodes[0].poll() is not None,
                    240, what="the members' second outer step")  # fmt: skip
         assert nodes[0].poll() is None, log_tails(tmp_path)
-        # it says ready() 8 s late the first time: the members commit meanwhile, it is admitted
-        # late, leaves, replays the rounds since and asks again
         joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
-                                env={"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}, **node)  # fmt: skip
+                                env=FAULTS[overlap], **node)  # fmt: skip
         everyone = (*nodes, joiner)
 
         def joiner_contributed() -> bool:  # (delayed: it trains from its third round)
@@ -89,10 +101,24 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
     assert any(r["contributors"] == 3 for k, r in outer0.items() if k > first), outer0
     log = (tmp_path / "node2.log").read_text()
     assert "replayed" in log and "entered the running job" in log and "timeline" in log
-    # late: it replays in place, or (if that cannot be done) leaves, replays and asks again;
-    # never exits for it (exit codes above)
-    assert ("round(s) late: replayed outer steps" in log
-            or "leaving, replaying the rounds since and asking again" in log), log[-3000:]  # fmt: skip
+    if overlap == "none":
+        # admitted late, it listened: a member contributing nothing, in every round from its
+        # admission on (no round retried or re-formed for it), while its backlog came; rounds
+        # committed while it came (after the admission round): the members did not wait for
+        # that transfer
+        assert "listening (a member contributing nothing)" in log, log[-3000:]
+        assert "caught up after listening" in log, log[-3000:]
+        assert row["listened"] >= 1 and row["listened_fetching"] >= 1, row
+        assert row["backlog_seconds"] > 0, row
+        listened = [outer0[k] for k in range(first - row["listened"] + 1, first + 1)]
+        assert all(r["nodes"] == 3 and r["contributors"] == 2 and r["attempts"] == 1
+                   for r in listened), listened  # fmt: skip
+        assert len({r["epoch"] for r in listened}) == 1, listened
+    else:
+        # late: it replays in place, or (if that cannot be done) leaves, replays and asks
+        # again; never exits for it (exit codes above)
+        assert ("round(s) late: replayed outer steps" in log
+                or "leaving, replaying the rounds since and asking again" in log), log[-3000:]  # fmt: skip
     steps = {k: r["step"] for k, r in outer_by_step(folder_metrics(n2)).items()}
     # (delayed: the joiner settles its entry round at once, the members a round later)
     assert all(steps[k] == outer0[k]["step"] for k in steps if k > first and k in outer0), (

@@ -75,16 +75,20 @@ def run_two_nodes(children, phase: Path, cache: Path, extra: list[str], stop_aft
             wait_until(lambda n=k: len(coord.status()["nodes"]) > n or procs[n].poll() is not None,
                        120, what=f"node {k} to register")  # fmt: skip
         if stop_after_outer is not None:
+            # SIGTERM mid-round: once the outer step is committed and both nodes have logged a
+            # step past it (a signal while a node is still at that boundary stops it there)
+            def both_past_the_outer_step() -> bool:
+                rows = [folder_metrics(node_folder(phase, k)) for k in range(2)]
+                return all(
+                    any(r.get("outer_step") == stop_after_outer for r in node_rows)
+                    and any(r["step"] > stop_after_outer * 20 for r in node_rows)
+                    for node_rows in rows
+                )
+
             wait_until(
-                lambda: (
-                    any(
-                        r.get("outer_step") == stop_after_outer
-                        for r in folder_metrics(node_folder(phase, 0))
-                    )
-                    or any(p.poll() is not None for p in procs)
-                ),
+                lambda: both_past_the_outer_step() or any(p.poll() is not None for p in procs),
                 200,
-                what="the outer step to stop after",
+                what="both nodes past the outer step to stop after",
             )
             for p in procs:
                 p.send_signal(signal.SIGTERM)

@@ -17,11 +17,6 @@ pytestmark = [
 ]
 NOTHING_LOST = ("no_rollback", "one_hash_per_outer_step", "all_outer_steps_committed",
                 "nodes_exit_0", "no_namespace_or_process_left")  # fmt: skip
-# Recovery after an event, bounded generously for a loaded 2-core machine (at load 8 there:
-# survivors committed again 1.2 s after the kill and 3.8 s after the stall; the restarted node
-# contributed again after 31 s, the added one after 28 s: a fresh process, with its start-up,
-# token cache and checkpoint fetch first).
-BOUND_S = {"commit_again_s": 60.0, "contributes_again_s": 90.0}
 
 
 @pytest.mark.timeout(900)
@@ -46,17 +41,16 @@ def test_quick_chaos_schedule_loses_nothing(tmp_path):
     assert result["ok"] is True
     assert checks["outer_steps"] == result["outer_steps"] == 30  # 300 steps, H = 10
     assert result["undisturbed_left"] == []
-    # (a joiner whose fetch outlasted a round exits asking to be rerun, and the script reruns
-    # it, as a supervisor would: that is reported, not a fault of the schedule)
-    kinds = [e["kind"] for e in result["timeline"] if e["kind"] != "rerun"]
+    # no node exited to be rerun (a joiner never exits because it is late, issue #24)
+    kinds = [e["kind"] for e in result["timeline"]]
     assert kinds == ["kill", "restart", "stall", "add"], result["timeline"]
     events = {e["event"].split()[0]: e for e in result["events"]}
     assert events["kill"]["commit_again_s"] is not None  # the survivor went on
-    assert events["restart"]["contributes_again_s"] is not None  # the killed node came back
-    assert events["add"]["contributes_again_s"] is not None  # the new node contributed
-    for e in result["events"]:  # each recovery that happened, within its bound
-        for key, bound in BOUND_S.items():
-            assert e[key] is None or 0 <= e[key] <= bound, (e, key, bound)
+    assert events["stall"]["commit_again_s"] is not None
+    for kind in ("restart", "add"):  # the killed node came back, the new one contributed
+        e = events[kind]
+        assert e["contributes_again_s"] is not None, e
+        assert e["snapshot_s"] > 0 and e["rounds_caught_up"] >= 0, e  # its join's timeline
     assert result["tokens"]["chaos"] > 0
     loss = result["heldout_loss"]
     assert loss["ratio"] is not None and loss["ratio"] <= 1.05, loss  # the README's goal

@@ -6,8 +6,10 @@ membership is lost there.
 
 - the coordinator did not come back within `mesh.coordinator_grace_s` (`CoordinatorGone`):
   checkpoint the last committed outer step and exit with a line saying how to resume;
-- evicted (a cut link, a stall: `MeshEvicted`) or the coordinator lost (`CoordinatorLost`):
-  rejoin the others by itself through live recovery (`diloco/rejoin.py`), when it can.
+- evicted (a cut link, a stall, left out of a round: `MeshEvicted`) or the coordinator lost
+  (`CoordinatorLost`): rejoin the others by itself through live recovery
+  (`diloco/rejoin.py`), when it can; with `overlap = "delayed"` too (its round in flight is
+  dropped: the members' state it loads holds that round when they committed it).
 
 With `[diloco] round_seconds = T > 0` a round ends when it has lasted T seconds from its
 first inner step, or would after one more step at the node's recent pace (at least
@@ -52,11 +54,9 @@ class OuterBoundary:
         self.run, self.outer = run, outer
         # a mesh node's outer step (train() checked it implements the elastic seam)
         self.elastic = outer if isinstance(outer, ElasticOuterStep) else None
-        self.can_rejoin = (
-            self.elastic is not None
-            and run.placement.membership is not None
-            and not outer.overlapped  # no round in flight may cross the loss
-        )
+        # an overlapped step drops its round in flight on the loss (`reattach`): the state it
+        # rejoins with, the members', already holds that round if they committed it
+        self.can_rejoin = self.elastic is not None and run.placement.membership is not None
         self.committed = CommittedState.take(run, start)
         self.rejoins = 0  # all rejoins (the rows' `rejoined`)
         self.lost = 0  # losses but leave-outs (`diloco.max_rejoins`, per run)

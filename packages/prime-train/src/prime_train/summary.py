@@ -59,7 +59,8 @@ def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
     if eval_loss is None and evals:
         eval_loss = evals[-1]
     plot = None
-    if run.metrics.path is not None and records:
+    # (a joiner that entered at the run's last round has rows but no loss to plot)
+    if run.metrics.path is not None and any("loss" in r or "eval_loss" in r for r in records):
         run.metrics.close()
         plot = str(plot_runs([run.run_dir]))
     seconds = end.seconds

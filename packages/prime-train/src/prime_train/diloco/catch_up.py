@@ -8,21 +8,32 @@
 - `fetch_entries`, on local rank 0: which entries after outer step S the donors offer, and
   the download of all of them (every local rank's), spread over the donors that have them
   (the entries are bit-identical on every member); `stale` when the log no longer reaches S.
-- `replay_entries`, on every local rank: apply its own entries in order (`Diloco.replay`),
-  each checked against the members' hash.
+- `replay_fetched`, on every local rank: apply its own entries in order (`Diloco.replay`),
+  each checked against the members' hash (`on_primary`: a step run on local rank 0 only,
+  its result handed to every local rank).
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
 
 from prime_ckpt import PeerError, fetch_side_file, list_side_files
+from prime_train import faults
 from prime_train.diloco.membership import Membership
 from prime_train.diloco.replay_log import BadEntry, Entry, entry_name, parse_name
+
+if TYPE_CHECKING:
+    from prime_train.diloco.snapshot import JoinRecord
+    from prime_train.run import Run
+    from prime_train.seam import ElasticOuterStep
 
 RENEW_S = 10.0  # hold renewals (the server's lease is 120 s)
 TIMEOUT_S = 20.0  # every connect and read of a listing or entry
@@ -101,10 +112,17 @@ class Fetched:
 
 
 def fetch_entries(
-    membership: Membership, after: int, ranks: int, folder: Path, until: int | None = None
+    membership: Membership,
+    after: int,
+    ranks: int,
+    folder: Path,
+    until: int | None = None,
+    one_at_a_time: bool = False,
 ) -> Fetched:
     """Download every local rank's entries of the outer steps after `after` that the donors
-    offer (all of them, or up to `until`) into `folder`; see `Fetched`."""
+    offer (all of them, or up to `until`) into `folder`; see `Fetched`. `one_at_a_time`: one
+    download at a time (still spread over the donors), for a joiner already in the members'
+    all-reduce: its link then carries at most one donor's capped rate beside it."""
     t0 = time.monotonic()
     token = membership.token
     offers: dict[int, list[tuple[str, str]]] = {}  # outer step -> donors with every rank's
@@ -142,7 +160,9 @@ def fetch_entries(
             node_id, url = donors[(i + k) % len(donors)]
             name = entry_name(outer, rank)
             try:
+                began = _newest(url, token) if faults.entry_outlasts_round() else 0
                 data = fetch_side_file(url, name, token, TIMEOUT_S)
+                faults.hold_entry(lambda u=url: _newest(u, token), began)
                 Entry.decode(data)  # its own checksum: a torn or corrupt one is refused
             except (PeerError, BadEntry) as e:
                 errors.append(f"{node_id}: {e}")
@@ -153,7 +173,8 @@ def fetch_entries(
         raise PeerError(f"no donor could give {name}: {'; '.join(errors)}")
 
     n_donors = len({d for ds in offers.values() for d in ds})
-    with ThreadPoolExecutor(max(1, n_donors), thread_name_prefix="prime-join-entries") as pool:
+    workers = 1 if one_at_a_time else max(1, n_donors)
+    with ThreadPoolExecutor(workers, thread_name_prefix="prime-join-entries") as pool:
         try:
             sizes = list(pool.map(get, enumerate(jobs)))
         except PeerError:  # an entry went missing meanwhile (pruned): keep what came before
@@ -169,6 +190,56 @@ def fetch_entries(
     return Fetched(steps, False, total, time.monotonic() - t0, used)
 
 
+def _newest(url: str, token: str | None) -> int:
+    """The newest outer step `url` logs (for a fault hook: `faults.hold_entry`)."""
+    try:
+        names = list_side_files(url, token, TIMEOUT_S)
+    except PeerError:
+        return -1
+    return max((p[0] for p in map(parse_name, names) if p is not None), default=-1)
+
+
 def read_entry(folder: Path, outer_step: int, rank: int) -> Entry:
     """A fetched entry (checked again: it was written by this process, but disks fail)."""
     return Entry.decode((folder / entry_name(outer_step, rank)).read_bytes())
+
+
+def on_primary(run: Run, fn):
+    """`fn()` on the node's local rank 0, its result on every local rank."""
+    got = [fn() if run.primary else None]
+    if run.placement.world_size > 1:
+        dist.broadcast_object_list(got, src=0, group=run.placement.group)
+    return got[0]
+
+
+def replay_fetched(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Fetched, folder: Path, t0: float
+) -> str | None:
+    """Every local rank replays its fetched entries (`got`, in `folder`); None when all
+    matched the members' hashes (the record then says so), else the first mismatch."""
+    ranks, rank = run.placement.world_size, run.placement.rank
+    problem, last = None, None
+    for o in got.outer_steps:
+        entry = read_entry(folder, o, rank)
+        problem = outer.replay(entry)  # type: ignore[attr-defined]
+        if problem is not None:
+            break
+        last = entry
+    problems = [problem]
+    if ranks > 1:
+        problems = [None] * ranks
+        dist.all_gather_object(problems, problem, group=run.placement.group)
+    problem = next((p for p in problems if p), None)
+    if run.primary:
+        shutil.rmtree(folder, ignore_errors=True)
+    if problem is not None:
+        return problem
+    assert last is not None
+    outer.replayed(last.outer_sha256)  # type: ignore[attr-defined]
+    record.replayed += len(got.outer_steps)
+    record.replay_bytes += got.bytes
+    record.replay_seconds += time.monotonic() - t0
+    record.replay_donors = sorted(set(record.replay_donors) | got.donors)
+    record.step, record.shared = last.step, last.shared
+    outer.restore_shared(last.shared)  # type: ignore[attr-defined]
+    return None

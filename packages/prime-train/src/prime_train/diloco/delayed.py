@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 import prime_comm
-from prime_mesh import MeshTimeout
+from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
 from prime_train.diloco.outer_step import Diloco, JoinedLate
 from prime_train.seam import OuterStepReport
@@ -247,6 +247,15 @@ class DelayedDiloco(Diloco):
         self._round, self._fatal = dict(_NO_ROUND), None
         super().rollback_to_outer()
         self.round_start.copy_(self.optimizer.weights)
+
+    def reattach(self, mesh: ElasticDeviceMesh) -> None:
+        """A new registration after this node lost its membership (`diloco/rejoin.py`): the
+        round in flight or pending belonged to the old one and is dropped (the members' state
+        the rejoin loads holds it when they committed it)."""
+        if self._thread is not None:  # its mesh calls fail fast on the old registration
+            self._thread.join(self.mesh.round_bound())
+        self._thread, self._fatal, self._round = None, None, dict(_NO_ROUND)
+        super().reattach(mesh)
 
     def close(self, timeout: float = 60.0) -> None:
         """On the way out (the loop failed with a round in flight): give the round `timeout`

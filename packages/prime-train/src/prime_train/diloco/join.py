@@ -13,22 +13,24 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    serving cap) at its own pace, however many rounds that takes, into its own checkpoint
    folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
    (`catch_up.Holder`) so the ones it will need are not pruned.
-4. Load and catch up (`load_members_state`): every local rank loads the checkpoint, then
-   replays the members' committed updates since it (`catch_up`), each checked against the
-   members' outer weights' hash, until the donors offer no newer one; then it says `ready()`.
-   A log that no longer reaches the checkpoint, or a hash that differs, takes a newer
-   checkpoint (a second mismatch exits with a line naming it).
+4. Load (`load_members_state`): every local rank loads the checkpoint; a synchronous joiner
+   then says `ready()` at once (the rounds since come in step 5). A delayed one first replays
+   the members' committed updates since it (`catch_up`), each checked against the members'
+   outer weights' hash, until the donors offer no newer one. A log that no longer reaches the
+   checkpoint, or a hash that differs, takes a newer checkpoint (a second mismatch exits with
+   a line naming it).
 5. Enter (`enter_running_job`): the members admit it at their next sync point. The joiner takes
    its first round at once (the outer step's `enter`): its model equals the outer weights it
    reached, so its pseudo-gradient is zero; the members average over the nodes that
    contributed, and all apply the same update to the same outer weights: the same bits
-   everywhere. A joiner admitted late (the members committed once more between its last
-   replay and its admission) replays the rounds it missed at once, as a member, and takes the
-   round with them (`replay_in_place`, the outer step's `late_catch_up`); if it cannot, it
-   leaves, registers again, replays the rounds since and asks again (`JoinedLate` only after
+   everywhere. A joiner admitted late (the members committed meanwhile) listens
+   (`diloco/listen.py`, the outer step's `listen_late`): a member contributing nothing, it
+   keeps each round's update while the backlog comes in the background, then replays both and
+   enters with the members' outer weights; the members never wait for its transfer. A delayed
+   joiner instead replays the rounds it missed at once, as a member, and takes the round with
+   them (`replay_in_place`, the outer step's `late_catch_up`). If either cannot, it leaves,
+   registers again, replays the rounds since and asks again (`JoinedLate` only after
    `MAX_LATE` such tries).
-   With `overlap = "delayed"` steps 2-4 are today's older ones: the joiner waits for a
-   checkpoint made after it registered and leaves with `JoinedLate` if admitted late.
 
 What happened is one typed record, `JoinRecord`, logged and written as the entry's metrics row.
 The snapshot's fetch is `diloco/snapshot.py`; fetching and holding log entries, `catch_up.py`.
@@ -37,16 +39,19 @@ The snapshot's fetch is `diloco/snapshot.py`; fetching and holding log entries, 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch.distributed as dist
 
 from prime_ckpt import PeerError
 from prime_train import faults
-from prime_train.diloco.catch_up import Fetched, Holder, fetch_entries, read_entry
+from prime_train.diloco.catch_up import (
+    Fetched,
+    Holder,
+    fetch_entries,
+    on_primary,
+    replay_fetched,
+)
+from prime_train.diloco.listen import Listener, empty_round
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
@@ -56,7 +61,7 @@ from prime_train.diloco.snapshot import (
     fetch_members_state,
     members_left,
 )
-from prime_train.seam import ElasticOuterStep
+from prime_train.seam import ElasticOuterStep, OuterStepReport
 
 if TYPE_CHECKING:
     from prime_train.run import Run
@@ -71,12 +76,15 @@ def replaying(outer: ElasticOuterStep) -> bool:
     return callable(getattr(outer, "replay", None))
 
 
-def _on_primary(run: Run, fn):
-    """`fn()` on the node's local rank 0, its result on every local rank."""
-    got = [fn() if run.primary else None]
-    if run.placement.world_size > 1:
-        dist.broadcast_object_list(got, src=0, group=run.placement.group)
-    return got[0]
+def listening(outer: ElasticOuterStep) -> bool:
+    """Whether a joiner admitted late listens until it has the rounds it missed
+    (`diloco/listen.py`: synchronous DiLoCo with data slots, whose members send the exact
+    header every round, as a listener does); else it replays them in place (delayed)."""
+    return (
+        replaying(outer)
+        and not getattr(outer, "overlapped", True)
+        and getattr(outer, "data", None) is not None
+    )
 
 
 def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
@@ -92,7 +100,7 @@ def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: 
     run.log.warn(f"{why}: fetching a newer checkpoint")
     membership = run.placement.membership
     assert membership is not None
-    got = _on_primary(
+    got = on_primary(
         run,
         lambda: fetch_members_state(
             membership, run.ckpt_dir, run.log, newer_than=record.snapshot_step, fresh=False
@@ -113,7 +121,9 @@ def catch_up(
     need: int | None = None,
 ) -> None:
     """Replay the members' committed updates since the loaded state, until the donors offer
-    no newer one (and at least up to outer step `need`): see `diloco/catch_up.py`. A log that
+    no newer one (and at least up to outer step `need`): see `diloco/catch_up.py`. A joiner
+    that listens (`listening`) also stops once a pass brings not even half fewer entries than
+    the one before: they move slower than rounds pass, so it enters and listens. A log that
     no longer reaches the state, or a replay whose hash differs, takes a newer checkpoint;
     a second mismatch is JoinFailed naming it."""
     membership = run.placement.membership
@@ -121,14 +131,14 @@ def catch_up(
     ranks = run.placement.world_size
     folder = run.ckpt_dir / "replay-in"
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    mismatches, waited_since, gone_since = 0, None, None
+    mismatches, waited_since, gone_since, previous = 0, None, None, None
     while True:
         after = outer.outer_steps  # type: ignore[attr-defined]
         if holder is not None:
             holder.first = after + 1
             holder.renew()
         t0 = time.monotonic()
-        got = _on_primary(run, lambda a=after: fetch_entries(membership, a, ranks, folder))
+        got = on_primary(run, lambda a=after: fetch_entries(membership, a, ranks, folder))
         if time.monotonic() > deadline:
             raise JoinFailed(
                 f"could not catch up with the members within {JOIN_TIMEOUT_S:.0f} s (at outer "
@@ -140,7 +150,7 @@ def catch_up(
             continue
         if not got.outer_steps:
             gone_since = gone_since or time.monotonic()
-            left = _on_primary(
+            left = on_primary(
                 run,
                 lambda s=gone_since: None if membership.donors() else members_left(membership, s),
             )
@@ -155,7 +165,7 @@ def catch_up(
             time.sleep(1.0)
             continue
         gone_since = None
-        problem = _replay(run, outer, record, got, folder, t0)
+        problem = replay_fetched(run, outer, record, got, folder, t0)
         if problem is not None:
             mismatches += 1
             if mismatches > 1:
@@ -164,40 +174,13 @@ def catch_up(
                     f"weights ({problem}); this node cannot join them: run it with the same "
                     "torch build and CPU kind as the members"
                 )
+            previous = None
             _newer_snapshot(run, outer, record, f"replay mismatch: {problem}")
-
-
-def _replay(
-    run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Fetched, folder: Path, t0: float
-) -> str | None:
-    """Every local rank replays its fetched entries (`got`, in `folder`); None when all
-    matched the members' hashes (the record then says so), else the first mismatch."""
-    ranks, rank = run.placement.world_size, run.placement.rank
-    problem, last = None, None
-    for o in got.outer_steps:
-        entry = read_entry(folder, o, rank)
-        problem = outer.replay(entry)  # type: ignore[attr-defined]
-        if problem is not None:
-            break
-        last = entry
-    problems = [problem]
-    if ranks > 1:
-        problems = [None] * ranks
-        dist.all_gather_object(problems, problem, group=run.placement.group)
-    problem = next((p for p in problems if p), None)
-    if run.primary:
-        shutil.rmtree(folder, ignore_errors=True)
-    if problem is not None:
-        return problem
-    assert last is not None
-    outer.replayed(last.outer_sha256)  # type: ignore[attr-defined]
-    record.replayed += len(got.outer_steps)
-    record.replay_bytes += got.bytes
-    record.replay_seconds += time.monotonic() - t0
-    record.replay_donors = sorted(set(record.replay_donors) | got.donors)
-    record.step, record.shared = last.step, last.shared
-    outer.restore_shared(last.shared)  # type: ignore[attr-defined]
-    return None
+            continue
+        n, caught = len(got.outer_steps), need is None or outer.outer_steps >= need  # type: ignore[attr-defined]
+        if listening(outer) and previous is not None and 2 * n > previous and caught:
+            break  # not converging: enter now and listen (`diloco/listen.py`)
+        previous = n
 
 
 def replay_in_place(
@@ -216,10 +199,10 @@ def replay_in_place(
         except (PeerError, OSError):
             return Fetched(stale=True)
 
-    got = _on_primary(run, fetch)
+    got = on_primary(run, fetch)
     if got.outer_steps != list(range(mine + 1, theirs + 1)):
         return False
-    problem = _replay(run, outer, record, got, folder, t0)
+    problem = replay_fetched(run, outer, record, got, folder, t0)
     if problem is not None:
         run.log.warn(f"replaying the rounds missed failed: {problem}")
         return False
@@ -241,14 +224,19 @@ def load_members_state(
     assert membership is not None and membership.joining
     replay = replaying(outer)
     holder = Holder(membership) if replay and run.primary else None
-    with holder or contextlib.nullcontext():
-        record: JoinRecord = _on_primary(
+    with contextlib.ExitStack() as stack:
+        if holder is not None:
+            stack.enter_context(holder)
+        record: JoinRecord = on_primary(
             run, lambda: fetch_members_state(membership, run.ckpt_dir, run.log, fresh=not replay)
         )
         record.rejoined = rejoined
         _load(run, outer, record)
-        if replay:
+        if replay and not listening(outer):  # (a listener fetches them while it listens)
             catch_up(run, outer, record, holder)
+        if listening(outer):  # a listener's backlog stays pinned (`enter_running_job` ends it)
+            record.holder = holder
+            stack.pop_all()
     run.progress["step"] = record.step
     faults.delay_first_ready(run.log)
     membership.mesh.ready()
@@ -280,18 +268,58 @@ def _catch_up_again(
     membership = register_again(run, late)
     run.placement.membership = membership
     outer.reattach(membership.mesh)
+    _end_hold(record)
     holder = Holder(membership) if run.primary else None
-    with holder or contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if holder is not None:
+            stack.enter_context(holder)
         catch_up(run, outer, record, holder, need=outer.outer_steps + 1)  # type: ignore[attr-defined]
+        if listening(outer):
+            record.holder = holder
+            stack.pop_all()
     run.progress["step"] = record.step
     membership.mesh.ready()
 
 
+def _end_hold(record: JoinRecord) -> None:
+    """Release the donors' entries a listener kept pinned (nothing when none)."""
+    if record.holder is not None:
+        record.holder.__exit__(None, None, None)
+        record.holder = None
+
+
+def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | None:
+    """`outer.enter(step)`, then, while it only listened (`diloco/listen.py`), the members'
+    next rounds, trained alongside them, until it caught up; None when the run completed
+    meanwhile (or the outer step applied nothing)."""
+    report = outer.enter(step)
+    total = run.cfg.train.steps
+    while report is None and getattr(outer, "listener", None) is not None:
+        done = outer.listener.step  # type: ignore[attr-defined]
+        if done >= total:
+            outer.listener.close()  # type: ignore[attr-defined]
+            run.log.info("the run completed while this node listened; nothing to enter")
+            return None
+        end = min(outer.round_end(done), total)
+        empty_round(run, done, end)
+        report = outer.enter(end)
+    return report
+
+
 def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> int:
     """Step 5: the joiner's first round, ending where the members' round that started from
-    the state it reached ends; returns the step it continues from. Admitted a round late
-    (the members committed one more meanwhile), it catches up again and asks again."""
-    if replaying(outer):
+    the state it reached ends; returns the step it continues from. Admitted late (the members
+    committed meanwhile), it listens until it has the rounds it missed (synchronous), or
+    replays them in place (delayed); if that fails, it catches up again and asks again."""
+    if listening(outer):
+        outer.listen_late = lambda mine, behind: Listener(  # type: ignore[attr-defined]
+            run,
+            outer,
+            record,
+            mine,
+            behind,  # type: ignore[arg-type]
+        )
+    elif replaying(outer):
         outer.late_catch_up = lambda mine, theirs: replay_in_place(  # type: ignore[attr-defined]
             run, outer, record, mine, theirs
         )
@@ -299,7 +327,9 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
         while True:
             step = min(outer.round_end(record.step), run.cfg.train.steps)
             try:
-                report = outer.enter(step)
+                report = _listen(run, outer, step)
+                if report is None and record.listened:  # the run completed meanwhile
+                    return run.cfg.train.steps
                 break
             except JoinedLate as e:
                 record.late += 1
@@ -315,9 +345,12 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
                     return record.step
     finally:
         if replaying(outer):
-            outer.late_catch_up = None  # type: ignore[attr-defined]
-    # (admitted late and caught up in place: the members' round, later than the one it asked)
+            outer.late_catch_up = outer.listen_late = None  # type: ignore[attr-defined]
+        _end_hold(record)
+    # (admitted late and caught up: the members' round, later than the one it asked)
     step = min(outer.round_end(record.step), run.cfg.train.steps)
+    if record.listened and report is not None:
+        step = report.step
     admitted = time.monotonic() - record.started
     startup = record.started - LOADED_AT
     run.log.info(
@@ -345,6 +378,9 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
             "replay_seconds": record.replay_seconds,
             "replay_donors": record.replay_donors,
             "late_admissions": record.late,
+            "listened": record.listened,
+            "listened_fetching": record.listened_fetching,
+            "backlog_seconds": record.backlog_seconds,
             "admitted_seconds": admitted,
             **({"rejoined": record.rejoined} if record.rejoined else {}),
         }

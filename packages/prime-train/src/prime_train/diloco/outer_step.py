@@ -15,7 +15,8 @@ Every H inner steps the trainer calls `start(step)` then `finish()`:
    (`diloco/round_log.py`).
 
 A joiner's first round is `enter(step)`: the same step, contributing nothing (see
-`diloco/join.py`).
+`diloco/join.py`). A joiner admitted late takes further such rounds as a listener
+(`diloco/listen.py`) until it holds the rounds it missed.
 
 Here `finish` follows `start` at once (`[diloco] overlap = "none"`); `diloco/delayed.py` builds
 the overlapped step on the same pieces, its all-reduce running in the background while the
@@ -99,6 +100,9 @@ class Diloco:
         self.restore_shared: Callable[[dict[str, Any]], None] = lambda shared: None
         # a joiner admitted late replays the updates it missed, (its count, theirs) -> done?
         self.late_catch_up: Callable[[int, int], bool] | None = None
+        # or, synchronous only, listens (`diloco/listen.py`): (its count, behind) -> listener
+        self.listen_late: Callable[[int, int], Any] | None = None
+        self.listener: Any = None  # the listener while this joiner listens
         if mesh.state == "member":  # a joiner is not admitted before its first step
             self.rounds.last_epoch = mesh.epoch
             self.rounds.nodes_now = mesh.global_world_size
@@ -131,15 +135,17 @@ class Diloco:
         """Average over the live nodes, agree, apply (retrying on failure); report it."""
         return self._complete(contributing=True)
 
-    def enter(self, step: int) -> OuterStepReport:
+    def enter(self, step: int) -> OuterStepReport | None:
         """A joiner's first round, ending at inner step `step` (see the seam): its model is
         the outer weights it loaded, so it brings a zero pseudo-gradient and the average is
-        taken over the nodes that contributed. JoinedLate if it cannot use the result."""
+        taken over the nodes that contributed. JoinedLate if it cannot use the result. None:
+        a round it only listened to (admitted late, `self.listener` set: call again with the
+        listener's next round)."""
         self.feedback.reset()
         self.start(step)
         return self._complete(contributing=False)
 
-    def _complete(self, contributing: bool) -> OuterStepReport:
+    def _complete(self, contributing: bool) -> OuterStepReport | None:
         if self._started is None:
             raise RuntimeError("finish() without start()")
         step, t0 = self._started
@@ -157,7 +163,14 @@ class Diloco:
                     self.optimizer.pseudo_gradient.zero_()
                 got = self.average(self.mesh.maybe_reinit_global_pg(), contributing, reads)
                 if self.vote(got):
-                    if got.late is not None:
+                    if self.listener is None and got.late is not None and self.listen_late:
+                        step += got.behind * self.cfg.inner_steps  # the members' round
+                        self.listener = self.listen_late(self.outer_steps, got.behind)
+                    if self.listener is not None:  # (its buffer holds the round's average)
+                        if not self.listener.listened(got, step):
+                            return None  # kept, not applied: it still fetches its backlog
+                        self.listener = None  # caught up: this round applies as theirs
+                    elif got.late is not None:
                         if not self._catch_up_in_place(got.behind):
                             raise JoinedLate(got.late)  # the members commit; this node leaves
                         step += got.behind * self.cfg.inner_steps  # the members' round
@@ -223,7 +236,8 @@ class Diloco:
             self.mesh,
             self.optimizer.pseudo_gradient,
             self.cfg.compression,
-            self.rounds.outer_steps,
+            # a listener states the members' count: it will have applied their rounds
+            self.listener.count if self.listener is not None else self.rounds.outer_steps,
             contributing=contributing,
             regrouped=regrouped,
             reads=reads,
@@ -231,7 +245,8 @@ class Diloco:
             weighted=self.cfg.round_seconds > 0,
         )
         if got.mismatch and contributing:
-            self._warn("a node entered with another outer step count; it leaves")
+            self._warn("a node entered with another outer step count (a late joiner: it "
+                       "listens until it has caught up, or leaves)")  # fmt: skip
         return got
 
     # -- the update log and replaying it --------------------------------------------------
@@ -285,6 +300,13 @@ class Diloco:
                 f"{entry.shard_sha256[:16]} (another torch build or CPU?)"
             )
         return None
+
+    def apply_update(self, update: torch.Tensor) -> None:
+        """Apply an update this node received in the all-reduce as the next outer step (a
+        round a listener kept: the same bits every member applied, see `diloco/listen.py`)."""
+        self.optimizer.pseudo_gradient.copy_(update)
+        self.optimizer.apply()
+        self.totals["outer_steps"] += 1
 
     def replayed(self, outer_sha256: str) -> None:
         """After a replay: tell the mesh where this node now is."""

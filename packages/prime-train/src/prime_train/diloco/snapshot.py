@@ -44,6 +44,10 @@ class JoinRecord:
     replay_donors: list[str] = field(default_factory=list)
     snapshots: int = 1  # snapshots fetched (a newer one when the log no longer reached one)
     late: int = 0  # admissions a round late, each followed by catching up again
+    listened: int = 0  # rounds taken as a non-contributing member (`diloco/listen.py`)
+    listened_fetching: int = 0  # of the later ones, rounds committed while its backlog came
+    backlog_seconds: float = 0.0  # fetching the backlog in the background while listening
+    holder: Any = field(default=None, repr=False, compare=False)  # catch_up.Holder, kept open
     shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
 
 
