@@ -247,3 +247,20 @@ def test_machine_local_settings_leave_the_config_hash_alone(tmp_path):
     assert local.fingerprint_hash() == base.fingerprint_hash()
     for other in (["--train.steps", "5"], ["--run.name", "x"], ["--data.seq_len", "64"]):
         assert load_config(None, other, env={}).fingerprint_hash() != base.fingerprint_hash()
+
+
+def test_time_budgeted_rounds_enter_the_config_hash_only_when_on():
+    base = load_config(None, [], env={})
+    # off (the default): the hash of the configs made before the settings existed
+    assert "round_seconds" not in base.fingerprint()["diloco"]
+    assert "min_inner_steps" not in base.fingerprint()["diloco"]
+    same = ["--diloco.min_inner_steps", "5", "--diloco.max_missed_rounds", "9"]
+    assert load_config(None, same, env={}).fingerprint_hash() == base.fingerprint_hash()
+    on = load_config(None, ["--diloco.round_seconds", "30"], env={})
+    assert on.fingerprint_hash() != base.fingerprint_hash()
+    on_min = ["--diloco.round_seconds", "30", "--diloco.min_inner_steps", "5"]
+    assert load_config(None, on_min, env={}).fingerprint_hash() != on.fingerprint_hash()
+    with pytest.raises(ConfigError, match="min_inner_steps = 60 is more than inner_steps"):
+        load_config(None, [*on_min[:2], "--diloco.min_inner_steps", "60"], env={})
+    with pytest.raises(ConfigError, match="round_seconds > 0 needs overlap"):
+        load_config(None, [*on_min[:2], "--diloco.overlap", "delayed"], env={})

@@ -10,8 +10,11 @@ from prime_train.config import Config
 from prime_train.config_load import load_config
 from prime_train.diloco.rejoin import (
     MEMBERSHIP_LOST,
+    LeftOutTooOften,
     RejoinsExhausted,
+    check_missed_allowed,
     check_rejoin_allowed,
+    left_out,
     rejoin_running_job,
 )
 
@@ -64,3 +67,33 @@ def test_rejoins_up_to_the_bound_are_allowed():
         check_rejoin_allowed(run, MeshEvicted("x"), n)
     with pytest.raises(RejoinsExhausted):
         check_rejoin_allowed(run, MeshEvicted("x"), 3)
+
+
+def test_leave_outs_are_bounded_in_a_row_by_max_missed_rounds():
+    late = MeshEvicted(
+        "evicted: did not reach the sync point within 6.0s of the first member (waited 6.0s; "
+        "sync timeout): stuck or too slow, left out of the round"
+    )
+    assert left_out(late) and not left_out(MeshEvicted("evicted: heartbeat timeout"))
+    assert not left_out(CoordinatorLost("left out of the round"))  # only an eviction
+    assert Config().diloco.max_missed_rounds == 3
+    a = load_config(None, ["--diloco.max_missed_rounds", "9"], env={})
+    assert a.fingerprint_hash() == Config().fingerprint_hash()  # a node's own patience
+    run = fake_run(0)
+    for missed in (1, 2):
+        check_missed_allowed(run, late, missed)
+    with pytest.raises(LeftOutTooOften) as e:
+        check_missed_allowed(run, late, 3)
+    msg = str(e.value)
+    assert "left out of 3 rounds in a row" in msg and "diloco.max_missed_rounds = 3" in msg
+    assert isinstance(e.value, MeshError)  # the CLI prints it as one line and exits 1
+
+
+def test_the_leave_out_marker_is_prime_meshs_reason():
+    import inspect
+
+    import prime_mesh.membership
+    from prime_train.diloco.rejoin import LEFT_OUT
+
+    # the coordinator's reason for a member late at a sync point ends with it
+    assert LEFT_OUT in inspect.getsource(prime_mesh.membership)

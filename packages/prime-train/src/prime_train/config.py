@@ -263,6 +263,22 @@ class DilocoConfig(Section):
         "follow before they are left out of the round (evicted; they rejoin by themselves). "
         "0: auto, 4x the largest arrival spread of the last 8 sync points, within [30, 600] s",
     )
+    round_seconds: float = Field(
+        0.0,
+        ge=0.0,
+        description="T: each node runs inner steps until its round has lasted T seconds (at "
+        "least min_inner_steps, at most inner_steps), then syncs; the average weights each "
+        "node by the tokens it trained that round. 0: every round is inner_steps steps",
+    )
+    min_inner_steps: int = Field(
+        1, ge=1, description="with round_seconds > 0: inner steps a node runs in every round"
+    )
+    max_missed_rounds: int = Field(
+        3,
+        ge=1,
+        description="a node left out of this many rounds in a row (late at the sync point) "
+        "exits 1; a round it contributed to resets the count",
+    )
     max_rejoins: int = Field(
         3,
         ge=0,
@@ -286,6 +302,16 @@ class DilocoConfig(Section):
             raise ValueError(
                 "error_feedback = true needs a quantized compression ('uint8', 'uint4' or "
                 "'uint2'): with 'none' nothing is lost to carry"
+            )
+        if self.round_seconds > 0 and self.overlap != "none":
+            raise ValueError(
+                "round_seconds > 0 needs overlap = 'none' (a delayed round's length is not "
+                "time-budgeted yet)"
+            )
+        if self.round_seconds > 0 and self.min_inner_steps > self.inner_steps:
+            raise ValueError(
+                f"min_inner_steps = {self.min_inner_steps} is more than inner_steps = "
+                f"{self.inner_steps} (the most a round runs)"
             )
         return self
 
@@ -325,6 +351,8 @@ class Config(Section):
         for section, key in UNSET_BY_DEFAULT:  # off: the hash of the runs made before it
             if d[section][key] is False:
                 del d[section][key]
+        if not self.diloco.round_seconds:  # fixed rounds: neither matters
+            del d["diloco"]["round_seconds"], d["diloco"]["min_inner_steps"]
         if self.model.init_from is not None:  # the weights, wherever the folder lives
             from prime_train.hf_layout import weights_digest
 
@@ -345,7 +373,7 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "train": ("threads", "device", "micro_batch_size", "stop_within_s"),
     "ckpt": ("dir", "shm_dir", "remote", "keep"),
     # a node's own patience and disk, not the math
-    "diloco": ("max_rejoins", "rejoin_wait_s", "replay_rounds"),
+    "diloco": ("max_rejoins", "max_missed_rounds", "rejoin_wait_s", "replay_rounds"),
 }
 
 # settings added after runs existed: part of the hash only when on, so that leaving them off

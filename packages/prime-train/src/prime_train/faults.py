@@ -8,6 +8,7 @@ environment itself.
 | --- | --- |
 | `PRIME_TRAIN_FAULT_HOLD_ROUND_S` | with `overlap = "delayed"`, every background outer round waits this many seconds between its sync point and its all-reduce, so that a test can kill or stop a node while a round is in flight |
 | `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
+| `PRIME_TRAIN_FAULT_SLOW_FACTOR` | every inner step takes about N times as long (the training thread sleeps N - 1 times the step's own time after it): a node on a slower machine |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 | `PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND` | (any non-empty value) a joiner's download of an update-log entry ends only once its donor logged a newer round than when it began (at most 60 s): one round's update takes longer to move than a round lasts, however fast the machine |
 | `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
@@ -33,6 +34,8 @@ HOLD_ROUND_S = _seconds(HOLD_ROUND_ENV)  # read once, when the trainer starts
 STALL_AT_STEP_ENV, STALL_S_ENV = "PRIME_TRAIN_FAULT_STALL_AT_STEP", "PRIME_TRAIN_FAULT_STALL_S"
 STALL_UNTIL_ENV = "PRIME_TRAIN_FAULT_STALL_UNTIL"
 _stall = [int(_seconds(STALL_AT_STEP_ENV)), _seconds(STALL_S_ENV)]  # [step, seconds]: once
+SLOW_FACTOR_ENV = "PRIME_TRAIN_FAULT_SLOW_FACTOR"
+SLOW_FACTOR = _seconds(SLOW_FACTOR_ENV)
 JOIN_READY_DELAY_ENV = "PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S"
 ENTRY_OUTLASTS_ROUND_ENV = "PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND"
 _join_ready_delay = [_seconds(JOIN_READY_DELAY_ENV)]  # used up by the first join
@@ -63,6 +66,13 @@ def stall_training(step: int, log: Log | None) -> None:
         time.sleep(0.1)
     if log is not None:
         log.info(f"fault hook: the training thread goes on at step {step}")
+
+
+def slow_inner_step(seconds: float) -> None:
+    """`PRIME_TRAIN_FAULT_SLOW_FACTOR` = N: after an inner step that took `seconds`, sleep
+    (N - 1) x `seconds`, so the node trains at about 1/N of its speed."""
+    if SLOW_FACTOR > 1:
+        time.sleep((SLOW_FACTOR - 1) * seconds)
 
 
 def delay_first_ready(log: Log | None) -> None:

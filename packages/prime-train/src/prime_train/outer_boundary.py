@@ -11,6 +11,14 @@ membership is lost there.
   (`diloco/rejoin.py`), when it can; with `overlap = "delayed"` too (its round in flight is
   dropped: the members' state it loads holds that round when they committed it).
 
+With `[diloco] round_seconds = T > 0` a round ends when it has lasted T seconds from its
+first inner step, or would after one more step at the node's recent pace (at least
+`min_inner_steps`, at most `inner_steps` steps, decided alike by the node's ranks). The
+run's position still moves by `inner_steps` per committed round: the loop's step jumps to
+the round's nominal end (`round_start + inner_steps`), so every boundary stays a multiple
+of H and the learning rate, `train.steps`, the checkpoint and evaluation cadences follow the
+rounds the whole run committed, not a node's own count.
+
 Checkpoints taken at a boundary go through `checkpoint`, which handles a coordinator found gone
 there (an overlapped outer step's round ends in its checkpoint) the same way.
 
@@ -23,11 +31,18 @@ checkpoints the committed state, the last boundary exactly; the same command rej
 
 from __future__ import annotations
 
+import time
+
 import torch.distributed as dist
 
 from prime_mesh import CoordinatorGone
 from prime_train.diloco.committed import CommittedState
-from prime_train.diloco.rejoin import MEMBERSHIP_LOST, rejoin_running_job
+from prime_train.diloco.rejoin import (
+    MEMBERSHIP_LOST,
+    check_missed_allowed,
+    left_out,
+    rejoin_running_job,
+)
 from prime_train.run import Run
 from prime_train.seam import ElasticOuterStep, OuterStep, OuterStepReport
 
@@ -43,8 +58,15 @@ class OuterBoundary:
         # rejoins with, the members', already holds that round if they committed it
         self.can_rejoin = self.elastic is not None and run.placement.membership is not None
         self.committed = CommittedState.take(run, start)
-        self.rejoins = 0
+        self.rejoins = 0  # all rejoins (the rows' `rejoined`)
+        self.lost = 0  # losses but leave-outs (`diloco.max_rejoins`, per run)
+        self.missed = 0  # leave-outs in a row (`diloco.max_missed_rounds`)
         self.step_seconds = 0.0  # a running mean of the inner step's time
+        d = run.cfg.diloco
+        self.round_seconds = d.round_seconds
+        self.min_steps, self.max_steps = d.min_inner_steps, d.inner_steps
+        self.round_start = start  # the committed boundary the running round began at
+        self.round_t0: float | None = None  # when its first inner step began
 
     def add_compute_time(self, seconds: float) -> None:
         """One inner step's time: for the outer step, and to know how far a round's end is."""
@@ -52,15 +74,38 @@ class OuterBoundary:
         self.step_seconds = (
             seconds if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * seconds
         )
+        if self.round_t0 is None:
+            self.round_t0 = time.monotonic() - seconds
+
+    @property
+    def timed(self) -> bool:
+        """Whether rounds are time-budgeted (`[diloco] round_seconds` > 0)."""
+        return self.round_seconds > 0
 
     def due(self, step: int) -> bool:
         """Whether inner step `step` ends a round (the last step always does)."""
-        return self.outer.is_boundary(step) or step == self.run.cfg.train.steps
+        if step == self.run.cfg.train.steps:
+            return True
+        if not self.timed:
+            return self.outer.is_boundary(step)
+        ran = step - self.round_start
+        if ran >= self.max_steps:
+            return True
+        if ran < self.min_steps:
+            return False
+        assert self.round_t0 is not None  # set by the step's compute time
+        # no step expected to end past T (the slow node's overshoot would hold the others)
+        over = [time.monotonic() - self.round_t0 + self.step_seconds > self.round_seconds]
+        if self.run.placement.world_size > 1:  # the node's ranks end the round together
+            dist.broadcast_object_list(over, group_src=0, group=self.run.placement.group)
+        return bool(over[0])
 
     def sync(self, step: int) -> int:
         """The outer step after inner step `step`; returns the step the loop continues from
         (later than `step` after a rejoin: the members' round the node entered)."""
         report: OuterStepReport | None = None
+        if self.timed:  # the round's nominal end: the run moves by H per committed round
+            step = min(self.round_start + self.max_steps, self.run.cfg.train.steps)
         try:
             self.outer.start(step)
             if not self.outer.overlapped or step == self.run.cfg.train.steps:
@@ -71,8 +116,16 @@ class OuterBoundary:
             if not self.can_rejoin or self.elastic is None:
                 raise
             self.rejoins += 1
-            step = rejoin_running_job(self.run, self.elastic, e, self.rejoins)
+            if left_out(e):
+                self.missed += 1
+                check_missed_allowed(self.run, e, self.missed)
+            else:
+                self.lost += 1
+            step = rejoin_running_job(self.run, self.elastic, e, self.rejoins, bound=self.lost)
+        else:  # this node reached the sync point in time: a round with it settled
+            self.missed = 0
         self.committed = CommittedState.take(self.run, step, report)
+        self.round_start, self.round_t0 = step, None
         return step
 
     def checkpoint(self, step: int) -> None:

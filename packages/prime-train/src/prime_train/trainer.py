@@ -209,6 +209,13 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
     return start, eval_loss
 
 
+def reached(every: int, inner: int, step: int) -> bool:
+    """Whether a multiple of `every` (0: never) lies in [inner, step]: the inner step just run,
+    up to where the loop continues (a time-budgeted round that ended early jumps to its
+    nominal end; the multiples it skipped come due there)."""
+    return every > 0 and step // every > (inner - 1) // every
+
+
 def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     """The loop: inner steps, the outer step at every outer boundary, progress lines,
     evaluation, checkpoints, and a clean stop on SIGINT/SIGTERM."""
@@ -223,13 +230,17 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
             faults.stall_training(step, log)  # a test's stuck node (off unless set)
             t = time.perf_counter()
             meter.add(run.inner_step(step))
+            faults.slow_inner_step(time.perf_counter() - t)  # a test's slow node (off unless set)
+            inner = step  # (a time-budgeted round's end moves `step` to its nominal end)
             # with an outer step, checkpoints and stops wait for a boundary (synced weights)
-            at_boundary = boundary is None or boundary.due(step)
             if boundary is not None:
                 boundary.add_compute_time(time.perf_counter() - t)
-                if at_boundary:
-                    step = boundary.sync(step)
-            if step % cfg.run.log_every == 0 or step == total:
+            at_boundary = boundary is None or boundary.due(step)
+            if boundary is not None and at_boundary:
+                step = boundary.sync(step)
+                if not boundary.timed:  # (a rejoin's jump: the step it lands on counts)
+                    inner = step
+            if reached(cfg.run.log_every, inner, step) or step == total:
                 meter.report(step)
             stop_asked = stop.agreed(run.placement)
             if stop_asked and boundary and not at_boundary and boundary.should_leave_now(step):
@@ -242,7 +253,7 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 run.ckpt.due(step) or (boundary is not None and boundary.joiners_waiting())
             )  # a node waiting to join fetches the state of the round that starts now
             with meter.paused():  # evaluation and checkpoints are not training time
-                if (cfg.eval.every and step % cfg.eval.every == 0) or step == total:
+                if reached(cfg.eval.every, inner, step) or step == total:
                     eval_loss = run.evaluate_and_record(step)
                 if stopping or step == total or checkpoint_due:
                     if boundary is not None:

@@ -5,8 +5,12 @@ pseudo-gradient (a joiner's entry round does not), their outer step counts, whic
 equal, and, with data slots, how many sequences each read from each slot and not counted yet
 (`reads`: a few numbers per slot; only a contributor's count). Without `reads` the header is
 only sent after the group changed (`regrouped`: the same on every member) or by a joiner. The
-average is then over the contributors: every node scales the same bits by the same factor. Any failure is returned, not raised: the
-vote that follows tells every member, and all re-form and retry.
+average is then over the contributors: every node scales the same bits by the same factor.
+With `weighted` (time-budgeted rounds, `[diloco] round_seconds`), each contributor's
+pseudo-gradient counts by the sequences it read that round: it first scales its own by
+contributors x its reads / all reads, exactly 1 when all read alike (the arithmetic is then
+the unweighted one, bit for bit). Any failure is returned, not raised: the vote that follows
+tells every member, and all re-form and retry.
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ def average_pseudo_gradient(
     regrouped: bool = False,
     reads: list[int] | None = None,
     residual: torch.Tensor | None = None,
+    weighted: bool = False,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
     `outer_steps` is this node's count of applied outer steps; `reads`: this node's uncounted
     reads per data slot; `residual` receives this node's quantization error (error feedback:
-    `diloco/error_feedback.py`)."""
+    `diloco/error_feedback.py`); `weighted`: weigh the contributors by their `reads`."""
     t = time.monotonic()
     world = mesh.global_world_size
     contributors, late, mismatch, consumed, behind = world, None, False, None, 0
@@ -60,6 +65,8 @@ def average_pseudo_gradient(
             contributors, late, mismatch, consumed, behind = _header(
                 mesh, contributing, outer_steps, reads
             )
+        if weighted and reads is not None and consumed is not None:
+            _weigh(pseudo_gradient, contributors, sum(reads) if contributing else 0, consumed)
         stats = prime_comm.all_reduce(
             pseudo_gradient,
             group=mesh.global_pg,
@@ -80,6 +87,18 @@ def average_pseudo_gradient(
         error = "averaged pseudo-gradient is not finite"
         return Averaged(stats, error, contributors, late, mismatch, consumed, behind)
     return Averaged(stats, None, contributors, late, mismatch, consumed, behind)
+
+
+def _weigh(
+    pseudo_gradient: torch.Tensor, contributors: int, mine: int, consumed: list[float]
+) -> None:
+    """Scale this node's pseudo-gradient so that the plain average that follows weighs each
+    contributor by its reads: x contributors * mine / total (integers, so exactly 1.0 when
+    every contributor read as much: nothing is touched)."""
+    total = round(sum(consumed))
+    scale = contributors * mine / total if total else 0.0
+    if scale != 1.0:
+        pseudo_gradient.mul_(scale)
 
 
 def _header(

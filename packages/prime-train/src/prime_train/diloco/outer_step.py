@@ -21,8 +21,9 @@ A joiner's first round is `enter(step)`: the same step, contributing nothing (se
 Here `finish` follows `start` at once (`[diloco] overlap = "none"`); `diloco/delayed.py` builds
 the overlapped step on the same pieces, its all-reduce running in the background while the
 next inner steps compute. Where to resume is agreed through it too
-(`diloco/resume_agreement.py`). The rounds are fixed: every `inner_steps` inner steps
-(`is_boundary`, `round_end`: the one definition of an outer boundary).
+(`diloco/resume_agreement.py`). A round's nominal span is `inner_steps` inner steps
+(`is_boundary`, `round_end`); with `[diloco] round_seconds` the loop may end it earlier
+(`outer_boundary.py`) and the average weighs each node by its reads (`diloco/average.py`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Diloco:
         self.rounds = RoundLog(self.optimizer, cfg.compression, self.node_group, metrics, log)
         self.totals = self.rounds.totals
         self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
+        self.round_inner_steps = 0  # inner steps this node ran since its last outer step
         # the update log a joiner replays (`diloco/replay_log.py`; set by the trainer), and
         # what all members share after a round besides the outer state (empty for now)
         self.replay_log: ReplayLog | None = None
@@ -130,6 +132,7 @@ class Diloco:
     def add_compute_time(self, seconds: float) -> None:
         """The loop reports each inner step's time (for the compute utilisation figure)."""
         self.rounds.add_compute_time(seconds)
+        self.round_inner_steps += 1
 
     def start(self, step: int) -> None:
         """Begin the outer step that follows inner step `step`: compute the pseudo-gradient."""
@@ -190,7 +193,8 @@ class Diloco:
                     extra = self._commit_data(got.consumed, self.mesh.global_members)
                     seconds = time.monotonic() - t0
                     extra = {**(extra or {}), **self.feedback.metrics(),
-                             **join_cost(self.mesh, before, sync_seconds)}  # fmt: skip
+                             **join_cost(self.mesh, before, sync_seconds),
+                             **self._round_counts(got, contributing, reads)}  # fmt: skip
                     report = self.rounds.record(
                         self.mesh, step, attempt, seconds, got.stats, got.contributors,
                         extra=extra,
@@ -204,10 +208,26 @@ class Diloco:
                 )
         finally:
             self._started = None
+            self.round_inner_steps = 0
         raise OuterStepFailed(
             f"outer step failed {len(errors)} times ({'; '.join(errors)}); "
             "outer weights are unchanged"
         )
+
+    def _round_counts(
+        self, got: Averaged, contributing: bool, reads: list[int] | None
+    ) -> dict[str, int | None]:
+        """A committed round's row: this node's inner steps, the tokens it counted in the
+        average (0 when it sent nothing) and the round's tokens over all contributors."""
+        seq_len = self.data.data.seq_len if self.data is not None else 0
+        mine = sum(reads) if reads is not None and contributing and got.late is None else 0
+        return {
+            "round_inner_steps": self.round_inner_steps,
+            "round_tokens": mine * seq_len if self.data is not None else None,
+            "round_tokens_all": (
+                round(sum(got.consumed)) * seq_len if got.consumed is not None else None
+            ),
+        }
 
     def _catch_up_in_place(self, behind: int) -> bool:
         """A joiner admitted `behind` rounds late: replay the updates the members applied
@@ -239,6 +259,7 @@ class Diloco:
             regrouped=regrouped,
             reads=reads,
             residual=residual,
+            weighted=self.cfg.round_seconds > 0,
         )
         if got.mismatch and contributing:
             self._warn("a node entered with another outer step count (a late joiner: it "
@@ -342,7 +363,10 @@ class Diloco:
         if self.feedback.enabled:
             self.feedback.load_state_dict(state["error_feedback"])
         # where this node is, should the coordinator restart before the next outer step
-        self.mesh.note_outer_step(self.rounds.outer_steps, self.rounds.node_digest())
+        digest = self.rounds.node_digest()
+        self.mesh.note_outer_step(self.rounds.outer_steps, digest)
+        if self.log is not None:  # (what a resume restored, against the rows before it)
+            self.log.info(f"loaded outer step {self.rounds.outer_steps}: outer_sha256 {digest}")
 
     def agree_resume_step(self, local_steps: list[int]) -> int | None:
         """The newest checkpoint step every rank of every node holds (None: a fresh run, no
@@ -376,6 +400,7 @@ class Diloco:
         """Use `mesh`, a new registration of this node after it lost its membership (see
         `diloco/rejoin.py`): forget the old one's view; the state comes with the next load."""
         self.mesh, self._started = mesh, None
+        self.round_inner_steps = 0
         self.rounds.forget_round()
 
     def close(self) -> None:

@@ -14,7 +14,11 @@ the loop's outer boundary (`diloco/boundary.py`) takes the path a restarted node
    step: from then on its weights are the members', bit for bit.
 
 It does so at most `diloco.max_rejoins` times in one run; one more loss exits 1 with a line
-that says so (`RejoinsExhausted`). The rows it writes carry `rejoined` (the count).
+that says so (`RejoinsExhausted`). A node *left out* of a round (late at the sync point past
+`diloco.sync_timeout_s`: prime-mesh evicts it with a reason saying so) is bounded apart, by
+`diloco.max_missed_rounds` leave-outs in a row (a round it contributed to resets the count;
+`LeftOutTooOften`, exit 1), so an honest node that is only sometimes late keeps its place.
+The rows it writes carry `rejoined` (the count of all its rejoins).
 """
 
 from __future__ import annotations
@@ -36,6 +40,33 @@ if TYPE_CHECKING:
 MEMBERSHIP_LOST: tuple[type[MeshError], ...] = (MeshEvicted, CoordinatorLost)
 
 
+# prime-mesh's eviction reason for a member late at a sync point or vote (its membership.py,
+# `_leave_out_late`): the one way to tell a leave-out from a cut link or a stall
+LEFT_OUT = "left out of the round"
+
+
+class LeftOutTooOften(MeshError):
+    """The node was left out of `diloco.max_missed_rounds` rounds in a row (a mesh error: the
+    command line prints it as one line and exits 1)."""
+
+
+def left_out(error: BaseException) -> bool:
+    """Whether `error` is this node's eviction for being late at a sync point."""
+    return isinstance(error, MeshEvicted) and LEFT_OUT in str(error)
+
+
+def check_missed_allowed(run: Run, error: BaseException, missed: int) -> None:
+    """LeftOutTooOften when this leave-out makes `missed` in a row reach the bound."""
+    allowed = run.cfg.diloco.max_missed_rounds
+    if missed >= allowed:
+        raise LeftOutTooOften(
+            f"this node was left out of {missed} rounds in a row ({error}); "
+            f"diloco.max_missed_rounds = {allowed}, so it stops here: it does not reach the "
+            "sync point within diloco.sync_timeout_s of the others. Rerun the same command to "
+            "join again (or raise diloco.max_missed_rounds or diloco.sync_timeout_s)"
+        )
+
+
 class RejoinsExhausted(MeshError):
     """The node lost its membership more often than `diloco.max_rejoins` allows (a mesh
     error: the command line prints it as one line and exits 1)."""
@@ -54,15 +85,19 @@ def check_rejoin_allowed(run: Run, error: BaseException, rejoins: int) -> None:
 
 
 def rejoin_running_job(
-    run: Run, outer: ElasticOuterStep, error: BaseException, rejoins: int
+    run: Run, outer: ElasticOuterStep, error: BaseException, rejoins: int, bound: int | None = None
 ) -> int:
     """Steps 1 and 2 of the module doc after `error` ended this node's membership; `rejoins`
-    counts this one. Returns the step the node continues from (its entry round's)."""
-    check_rejoin_allowed(run, error, rejoins)
+    counts this one; `bound`: the count `diloco.max_rejoins` bounds (default `rejoins`; the
+    loop leaves leave-outs out of it). Returns the step the node continues from (its entry
+    round's)."""
+    check_rejoin_allowed(run, error, rejoins if bound is None else bound)
     placement = run.placement
     run.log.warn(
         f"lost the mesh membership ({type(error).__name__}: {error}); rejoining the running "
-        f"job through live recovery (rejoin {rejoins} of at most {run.cfg.diloco.max_rejoins})"
+        f"job through live recovery (rejoin {rejoins}; bounds: diloco.max_rejoins = "
+        f"{run.cfg.diloco.max_rejoins} losses, diloco.max_missed_rounds = "
+        f"{run.cfg.diloco.max_missed_rounds} leave-outs in a row)"
     )
     assert placement.membership is not None
     try:

@@ -1,0 +1,100 @@
+"""Time-budgeted rounds with a straggler, and their exact resume, through the CLI.
+
+Three prime-train nodes, each its own process and working folder, and a coordinator in the
+test process; node 2 trains at about a fifth of the others' speed (a fault hook). With
+`diloco.round_seconds` every node ends its round when the round has lasted that long (at
+most `inner_steps`), so the fast nodes keep most of their inner steps, the slow node still
+contributes to most rounds with fewer, and the average weighs each by its tokens. The run is
+stopped (SIGTERM) after a few rounds and resumed: the committed state comes back exactly (the
+steps after it depend on the clock). No assertion is on wall time.
+"""
+
+import re
+import signal
+import statistics
+from pathlib import Path
+
+import pytest
+
+from prime_mesh import Coordinator
+from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_node, wait_until
+
+TOKEN = "stragglers-test-token"
+H = 20
+STEPS = 160  # 8 rounds of the run's position (H per committed round)
+# a fast step takes ~0.1-0.4 s here (idle to loaded): a fast node runs all H steps in T, or
+# at least H/2; the slow node (5x) stays below H even on an idle machine
+ROUND_S = 5.0
+STOP_AFTER = 3  # outer steps committed before the SIGTERM
+NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H,
+        "args": ["--diloco.round_seconds", str(ROUND_S), "--train.stop_within_s", "120",
+                 "--ckpt.every", "0"]}  # fmt: skip
+SLOW = {"PRIME_TRAIN_FAULT_SLOW_FACTOR": "5"}
+
+
+def start_nodes(children, folders: list[Path], coord: Coordinator, cache: Path) -> list:
+    """The three nodes, one after the other (three torch starts at once starve heartbeats on
+    two cores), node 2 slowed."""
+    procs = []
+    for k, folder in enumerate(folders):
+        env = SLOW if k == 2 else {}
+        procs.append(start_cli_node(children, folder, coordinator=coord.address,
+                                    cache=cache, env=env, **NODE))  # fmt: skip
+        wait_until(lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k} registers")
+    return procs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_time_budgeted_rounds_with_a_straggler_resume_exactly(tmp_path, token_cache, children):
+    n = [tmp_path / f"node{k}" for k in range(3)]
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
+    try:
+        procs = start_nodes(children, n, coord, token_cache)
+        wait_until(lambda: STOP_AFTER in outer_by_step(folder_metrics(n[0]))
+                   or any(p.poll() is not None for p in procs), 240,
+                   what=f"outer step {STOP_AFTER}")  # fmt: skip
+        for p in procs:  # all told at once: they stop together at the round's end
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0], log_tails(tmp_path)
+        stopped = [outer_by_step(folder_metrics(f)) for f in n]
+        procs = start_nodes(children, n, coord, token_cache)  # the same commands: resume
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+
+    # the stop: every node at the same committed outer step, the run not finished
+    last = max(stopped[0])
+    assert [max(s) for s in stopped] == [last] * 3 and STOP_AFTER <= last < STEPS // H
+    # the resume restored each node's committed outer weights exactly
+    want = stopped[0][last]["outer_sha256"]
+    for k in range(3):
+        log = (tmp_path / f"node{k}.log").read_text()
+        loaded = re.findall(r"loaded outer step (\d+): outer_sha256 (\w+)", log)
+        assert loaded == [(str(last), want)], (k, loaded, log[-2000:])
+
+    rows = [folder_metrics(f) for f in n]
+    outer = [outer_by_step(r) for r in rows]
+    assert all(o.keys() == outer[0].keys() for o in outer)
+    assert sorted(outer[0]) == list(range(1, STEPS // H + 1))  # H of position per round
+    for s in outer[0]:
+        # every node holds the same outer weights at every outer step
+        assert len({o[s]["outer_sha256"] for o in outer}) == 1, s
+        # the round's tokens are the contributors' tokens
+        assert sum(o[s]["round_tokens"] for o in outer) == outer[0][s]["round_tokens_all"], s
+        assert all(1 <= o[s]["round_inner_steps"] <= H for o in outer), s
+        assert outer[0][s]["step"] == s * H
+
+    steps = [[o[s]["round_inner_steps"] for s in sorted(o)] for o in outer]
+    fast, slow = statistics.median(steps[0] + steps[1]), statistics.median(steps[2])
+    # the fast nodes keep most of a round; the slow one runs fewer steps, not them
+    assert fast >= H / 2, steps
+    assert slow < fast, steps
+    # the slow node still contributes to most rounds
+    contributed = [s for s in outer[2] if outer[2][s]["round_tokens"] > 0]
+    assert len(contributed) >= 0.75 * len(outer[2]), steps
+    assert all(outer[2][s]["nodes"] == 3 for s in outer[2])  # never left out
+    # the run learns
+    losses = [r["loss"] for r in rows[0] if "tokens_per_s" in r and r.get("loss") is not None]
+    assert losses[-1] < 0.8 * losses[0], losses
