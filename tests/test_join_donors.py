@@ -109,11 +109,13 @@ def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
     log = log3.read_text()
     assert "dropped donor" in log, log[-3000:]  # the killed one, mid-transfer
     assert "no longer reach" in log, log[-3000:]
-    # the members say what admitting it cost them, on the row of the round it entered
+    # the members say what admitting it cost them, on the row of each round that admitted it
+    # (twice when, admitted late, it listened and found its backlog pruned: it left and asked
+    # again with a newer snapshot)
     for m in (n1, n2):
         admitting = [r for r in outer_by_step(folder_metrics(m)).values() if r.get("admitted")]
-        assert [r["admitted"] for r in admitting] == [["node3"]], admitting
-        assert admitting[0]["join_seconds"] >= 0, admitting
+        assert admitting and all(r["admitted"] == ["node3"] for r in admitting), admitting
+        assert all(r["join_seconds"] >= 0 for r in admitting), admitting
     refused = (tmp_path / "odd.log").read_text()
     assert "model.n_layers is 5 here, unset in the run" in refused, refused[-2000:]
     # its first committed outer step, and every later one, has the survivors' hash
