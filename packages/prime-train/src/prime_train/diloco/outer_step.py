@@ -41,7 +41,7 @@ from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
-from prime_train.diloco.round_log import RoundLog
+from prime_train.diloco.round_log import RoundLog, join_cost, members_before, round_counts
 from prime_train.metrics import Log, Metrics
 from prime_train.rundir import RunDirError
 from prime_train.seam import OuterStepReport
@@ -53,16 +53,6 @@ if TYPE_CHECKING:
 
 class OuterStepFailed(RuntimeError):
     """The outer step could not be agreed on within the allowed retries."""
-
-
-def join_cost(mesh: ElasticDeviceMesh, before: set[str], sync_seconds: float) -> dict:
-    """On a member, for the round whose sync point admitted nodes: who (`admitted`) and what
-    it cost this member (`join_seconds`: that sync point's time, re-forming the group with
-    them included); nothing otherwise, and nothing on the node admitted."""
-    admitted = sorted(set(mesh.global_members) - before)
-    if not before or not admitted or mesh.node_id in admitted:
-        return {}
-    return {"admitted": admitted, "join_seconds": round(sync_seconds, 3)}
 
 
 class JoinedLate(RunDirError):
@@ -171,8 +161,7 @@ class Diloco:
                     self.optimizer.compute_pseudo_gradient()
                 if not contributing:
                     self.optimizer.pseudo_gradient.zero_()
-                member = self.mesh.state == "member"  # (a joiner has no group yet)
-                before = set(self.mesh.global_members) if member else set()
+                before = members_before(self.mesh)
                 t_sync = time.monotonic()
                 regrouped = self.mesh.maybe_reinit_global_pg()
                 sync_seconds = time.monotonic() - t_sync
@@ -194,7 +183,9 @@ class Diloco:
                     seconds = time.monotonic() - t0
                     extra = {**(extra or {}), **self.feedback.metrics(),
                              **join_cost(self.mesh, before, sync_seconds),
-                             **self._round_counts(got, contributing, reads)}  # fmt: skip
+                             **round_counts(self.round_inner_steps, self.data, got.consumed,
+                                            reads if contributing and got.late is None
+                                            else None)}  # fmt: skip
                     report = self.rounds.record(
                         self.mesh, step, attempt, seconds, got.stats, got.contributors,
                         extra=extra,
@@ -213,21 +204,6 @@ class Diloco:
             f"outer step failed {len(errors)} times ({'; '.join(errors)}); "
             "outer weights are unchanged"
         )
-
-    def _round_counts(
-        self, got: Averaged, contributing: bool, reads: list[int] | None
-    ) -> dict[str, int | None]:
-        """A committed round's row: this node's inner steps, the tokens it counted in the
-        average (0 when it sent nothing) and the round's tokens over all contributors."""
-        seq_len = self.data.data.seq_len if self.data is not None else 0
-        mine = sum(reads) if reads is not None and contributing and got.late is None else 0
-        return {
-            "round_inner_steps": self.round_inner_steps,
-            "round_tokens": mine * seq_len if self.data is not None else None,
-            "round_tokens_all": (
-                round(sum(got.consumed)) * seq_len if got.consumed is not None else None
-            ),
-        }
 
     def _catch_up_in_place(self, behind: int) -> bool:
         """A joiner admitted `behind` rounds late: replay the updates the members applied

@@ -21,12 +21,49 @@ from prime_train.seam import OuterStepReport
 if TYPE_CHECKING:
     import prime_comm
     from prime_mesh import ElasticDeviceMesh
+    from prime_train.slot_loader import SlotLoader
 
 
 def combined_digest(shards: list[str]) -> str:
     """The outer weights' hash of a node: its one shard's, or the hash of its shards' hashes
     in local rank order."""
     return shards[0] if len(shards) == 1 else hashlib.sha256("".join(shards).encode()).hexdigest()
+
+
+def members_before(mesh: ElasticDeviceMesh) -> set[str]:
+    """The group's members before a sync point (for `join_cost`); none for a joiner not yet
+    admitted. Never raises for a lost coordinator: the sync point that follows reconnects."""
+    try:
+        return set(mesh.global_members)  # the installed epoch's, kept while reconnecting
+    except MeshError:
+        return set()
+
+
+def join_cost(mesh: ElasticDeviceMesh, before: set[str], sync_seconds: float) -> dict:
+    """On a member, for the round whose sync point admitted nodes: who (`admitted`) and what
+    it cost this member (`join_seconds`: that sync point's time, re-forming the group with
+    them included); nothing otherwise, and nothing on the node admitted."""
+    admitted = sorted(set(mesh.global_members) - before)
+    if not before or not admitted or mesh.node_id in admitted:
+        return {}
+    return {"admitted": admitted, "join_seconds": round(sync_seconds, 3)}
+
+
+def round_counts(
+    inner_steps: int, data: SlotLoader | None, consumed: list[float] | None,
+    counted: list[int] | None,
+) -> dict[str, int | None]:  # fmt: skip
+    """A committed round's row: this node's inner steps, the tokens it counted in the average
+    (`counted`: its reads that counted, None when it sent nothing: 0) and the round's tokens
+    over all contributors (`consumed`: the header's reads per slot)."""
+    if data is None:
+        return {"round_inner_steps": inner_steps, "round_tokens": None, "round_tokens_all": None}
+    seq_len = data.data.seq_len
+    return {
+        "round_inner_steps": inner_steps,
+        "round_tokens": sum(counted) * seq_len if counted is not None else 0,
+        "round_tokens_all": round(sum(consumed)) * seq_len if consumed is not None else None,
+    }
 
 
 class RoundLog:
