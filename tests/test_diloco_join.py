@@ -102,30 +102,3 @@ def test_a_stalled_node_is_evicted_and_rejoins_by_itself(tmp_path, token_cache, 
     assert "lost the mesh membership" in log and "reentered the running job" in log, log[-3000:]
     assert outer1[max(outer1)]["outer_sha256"] == outer0[max(outer0)]["outer_sha256"]
     assert outer0[max(outer0)]["nodes"] == 2
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_a_node_past_its_rejoin_bound_exits_1_with_a_clear_line(tmp_path, token_cache, children):
-    """With diloco.max_rejoins = 0 the woken straggler does not rejoin: it says why and exits
-    1, and the member finishes alone."""
-    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
-    try:
-        n0, n1 = tmp_path / "node0", tmp_path / "node1"
-        nodes = {0: start_cli_node(children, n0, coordinator=coord.address, cache=token_cache,
-                                   **NODE)}  # fmt: skip
-        wait_until(lambda: len(coord.status()["nodes"]) > 0, 120, what="node 0 registers")
-        nodes[1] = start_cli_node(children, n1, coordinator=coord.address, cache=token_cache,
-                                  args=["--diloco.max_rejoins", "0"], **NODE)  # fmt: skip
-        stall_node_1_until_node_0_goes_on_alone(nodes, n0, n1)
-        codes = [p.wait(timeout=300) for p in (nodes[0], nodes[1])]
-    finally:
-        coord.close()
-    assert codes == [0, 1], log_tails(tmp_path)
-    log = (tmp_path / "node1.log").read_text()
-    assert "lost its mesh membership 1 times" in log and "diloco.max_rejoins = 0" in log, log[
-        -3000:
-    ]
-    assert not [r for r in folder_metrics(n1) if r.get("rejoined")]
-    outer0 = outer_by_step(folder_metrics(n0))
-    assert outer0[max(outer0)]["nodes"] == 1

@@ -5,7 +5,8 @@ test process. Node 2's training thread blocks before inner step STALL_AT (a faul
 heartbeat thread goes on, so the coordinator sees it alive). The others reach the next sync
 point, are held there at most `diloco.sync_timeout_s`, then leave node 2 out (evicted) and
 commit on without it. Released, node 2 finds itself left out at its own sync point and
-rejoins through live recovery; every node ends with the same outer weights.
+rejoins through live recovery; every node ends with the same outer weights. With
+`diloco.max_missed_rounds = 1` a node left out once exits 1 instead.
 """
 
 from pathlib import Path
@@ -95,3 +96,43 @@ def test_a_stuck_heartbeating_node_is_left_out_and_rejoins(tmp_path, token_cache
                           for r in before)  # fmt: skip
     log = (tmp_path / "node2.log").read_text()
     assert "lost the mesh membership" in log and "did not reach the sync point" in log, log[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_node_left_out_max_missed_rounds_in_a_row_exits_1(tmp_path, token_cache, children):
+    """With `diloco.max_missed_rounds = 1` the stuck node, once left out, does not rejoin: it
+    says why and exits 1, and the other node commits on alone. (The bound of the other
+    losses, `diloco.max_rejoins`: packages/prime-train/tests/test_rejoin.py.)"""
+    n = [tmp_path / f"node{k}" for k in range(2)]
+    release = tmp_path / "release-node1"
+    stall = {"PRIME_TRAIN_FAULT_STALL_AT_STEP": str(STALL_AT), "PRIME_TRAIN_FAULT_STALL_S": "200",
+             "PRIME_TRAIN_FAULT_STALL_UNTIL": str(release)}  # fmt: skip
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    try:
+        procs = []
+        for k in range(2):
+            extra = ["--diloco.max_missed_rounds", "1"] if k == 1 else []
+            node = {**NODE, "args": [*NODE["args"], *extra]}
+            procs.append(start_cli_node(children, n[k], coordinator=coord.address,
+                                        cache=token_cache, env=stall if k == 1 else {}, **node))  # fmt: skip
+            wait_until(
+                lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k} registers"
+            )
+        alone = lambda: [r for r in outer_by_step(folder_metrics(n[0])).values()  # noqa: E731
+                         if r["nodes"] == 1]  # fmt: skip
+        wait_until(lambda: alone() or procs[0].poll() is not None, 240,
+                   what="node 0 committing without node 1")  # fmt: skip
+        release.touch()
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        coord.close()
+    assert codes == [0, 1], log_tails(tmp_path)
+    log = (tmp_path / "node1.log").read_text()
+    assert "left out of 1 rounds in a row" in log and "diloco.max_missed_rounds = 1" in log, log[
+        -3000:
+    ]
+    assert not [r for r in folder_metrics(n[1]) if r.get("rejoined")]
+    outer0 = outer_by_step(folder_metrics(n[0]))
+    assert alone()[0]["step"] == (STALL_AT // H + 1) * H  # left out at its first missed round
+    assert outer0[max(outer0)]["nodes"] == 1 and max(outer0) == STEPS // H
