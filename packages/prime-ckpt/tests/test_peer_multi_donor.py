@@ -4,42 +4,19 @@ served by donor processes at a capped rate; the donor whose checkpoint is being 
 killed mid-transfer and the rest comes from another one."""
 
 import contextlib
-import os
-import select
 import signal
-import subprocess
 import threading
-from pathlib import Path
 
 import torch
 
 from prime_ckpt import CheckpointManager, fetch_checkpoint, serve_directory
 from prime_ckpt.manifest import read_manifest, step_dirname, verify_dir
-from prime_testkit import wait_until
+from prime_testkit import donor_processes, wait_until
 
 TOKEN = "multi-donor-secret"
 
 SHARED = [("model",), ("outer",)]
 N = 512 << 10  # float32 elements: 2 MB per tensor
-
-
-def donor_processes(children, *donors: tuple[Path, float]) -> list[tuple[subprocess.Popen, str]]:
-    """Donors (folder, MB/s), each serving in its own process; each with its URL."""
-    env = dict(os.environ, PRIME_TOKEN=TOKEN)
-    procs = [
-        children.python(
-            ["-m", "prime_ckpt.peer", "serve", str(root), "--max-mb-per-s", str(rate)],
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        for root, rate in donors
-    ]
-    out = []
-    for p in procs:
-        ready, _, _ = select.select([p.stdout], [], [], 30)
-        assert ready, "donor process did not print its URL within 30 s"
-        out.append((p, p.stdout.readline().decode().strip()))
-    return out
 
 
 def donor_state(seed: int) -> dict:
@@ -72,7 +49,7 @@ def _several_donors(tmp_path, children, stack):
     assert len(set(digests)) == 3  # each donor's own state makes its checkpoint its own
     # ~8 MB at 1 MB/s per donor: several seconds, long enough to kill the first mid-way; it
     # runs in its own process (to be killed), the other two in this one
-    (proc, url), *_ = donor_processes(children, (folders[0], 1))
+    (proc, url), *_ = donor_processes(children, TOKEN, (folders[0], 1))
     servers = [
         stack.enter_context(serve_directory(f, "127.0.0.1", token=TOKEN, max_bytes_per_s=1e6))
         for f in folders[1:]

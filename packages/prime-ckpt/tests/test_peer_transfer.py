@@ -1,10 +1,8 @@
 """Peer transfer end to end: real donors (threads and processes) on 127.0.0.1, real files."""
 
 import os
-import select
 import shutil
 import signal
-import subprocess
 import threading
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from prime_ckpt.manifest import (
 from prime_ckpt.peer import PeerError, PeerGoneError, fetch_from_peer, serve_directory
 from prime_ckpt.peer.fetch import partial_dirname
 from prime_ckpt.peer.transfer import JOURNAL
-from prime_testkit import make_checkpoint, wait_until
+from prime_testkit import donor_processes, make_checkpoint, wait_until
 
 TOKEN = "run-secret"
 MB = 1 << 20
@@ -28,28 +26,6 @@ CHUNK = 256 << 10
 
 def random_files(n: int, size: int) -> dict[str, bytes]:
     return {f"shard{i}/w.bin": os.urandom(size) for i in range(n)} | {"meta.bin": b"m" * 10}
-
-
-def donor_processes(children, *donors: tuple[Path, float]) -> list[tuple[subprocess.Popen, str]]:
-    """Rate-limited donors (folder, MB/s), each in its own process, started together; returns
-    each process with its URL (bounded wait)."""
-    env = dict(os.environ, PRIME_TOKEN=TOKEN)
-    procs = [
-        children.python(
-            ["-m", "prime_ckpt.peer", "serve", str(root), "--max-mb-per-s", str(rate)],
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        for root, rate in donors
-    ]
-    out = []
-    for p in procs:
-        ready, _, _ = select.select([p.stdout], [], [], 30)
-        assert ready, "donor process did not print its URL within 30 s"
-        url = p.stdout.readline().decode().strip()
-        assert url.startswith("http://127.0.0.1:"), url
-        out.append((p, url))
-    return out
 
 
 def journal_lines(dest: Path, step: int, digest: str) -> int:
@@ -118,7 +94,7 @@ def test_donor_killed_mid_transfer_switches_to_same_digest_only(tmp_path, childr
     other = make_checkpoint(tmp_path / "c", 3, random_files(3, 2 * MB))  # same step, other bytes
     assert other != digest
     (proc_a, url_a), (_, url_b) = donor_processes(
-        children, (tmp_path / "a", 1), (tmp_path / "b", 1)
+        children, TOKEN, (tmp_path / "a", 1), (tmp_path / "b", 1)
     )
     with serve_directory(tmp_path / "c", "127.0.0.1", token=TOKEN) as server_c:
         dest = tmp_path / "dest"
@@ -194,7 +170,7 @@ def test_resume_after_interrupted_fetch(tmp_path, children):
     total = sum(map(len, files.values()))
     digest = make_checkpoint(tmp_path / "donor", 7, files)
     dest = tmp_path / "dest"
-    [(proc, url)] = donor_processes(children, (tmp_path / "donor", 2))
+    [(proc, url)] = donor_processes(children, TOKEN, (tmp_path / "donor", 2))
     f = Fetch([url], dest, token=TOKEN, connections=2, chunk_bytes=CHUNK, timeout=10)
     wait_until(lambda: journal_lines(dest, 7, digest) >= 4, timeout=30, what="some chunks")
     proc.send_signal(signal.SIGKILL)
@@ -244,7 +220,7 @@ def test_stalled_donor_is_dropped_after_bounded_waits(tmp_path, children):
     digest = make_checkpoint(tmp_path / "a", 9, random_files(2, 2 * MB))
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     (proc_a, url_a), (_, url_b) = donor_processes(
-        children, (tmp_path / "a", 1), (tmp_path / "b", 4)
+        children, TOKEN, (tmp_path / "a", 1), (tmp_path / "b", 4)
     )
     dest = tmp_path / "dest"
     f = Fetch([url_a, url_b], dest, token=TOKEN, connections=4, chunk_bytes=CHUNK, timeout=2)

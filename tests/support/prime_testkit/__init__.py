@@ -23,7 +23,8 @@ than one test file uses lives here, once, one module per concern.
 - mesh: prime-mesh's coordinator from a test: `node_states`, and `FakeConn` / `FakeClock`
   that drive its Membership state machine without sockets. The prime-mesh tests' conftest.py
   has the `coordinator` fixture (the module's TOKEN and MIN_NODES).
-- ckpt: `make_checkpoint`, a committed prime-ckpt step folder written by hand.
+- ckpt: `make_checkpoint`, a committed prime-ckpt step folder written by hand;
+  `donor_processes`: rate-limited `prime_ckpt.peer serve` donors, each with its URL.
 - gloo: `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
 - s3: `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`).
 - pool, worker: `RankPool` (and the session-scoped `rank_pool` fixture): four rank processes
@@ -36,7 +37,7 @@ Beside the kit in tests/support: prime_browser (headless Chromium: `chromium`, `
 from typing import Any
 
 from prime_testkit.children import Children, die_with_parent, free_port, load_target, wait_until
-from prime_testkit.ckpt import make_checkpoint
+from prime_testkit.ckpt import donor_processes, make_checkpoint
 from prime_testkit.cli_node import (
     clean_env,
     cli_node,
@@ -83,6 +84,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "donor_processes",
     "CREDENTIALS",
     "DEFAULT_TIMEOUT",
     "TRACED",
