@@ -1,6 +1,6 @@
 """A straggler: fixed H against time-budgeted rounds (`--diloco.round_seconds`), 3 CLI nodes.
 
-    uv run python benchmarks/stragglers.py [--inner-steps 10] [--wall 90] [--slow 5]
+    uv run python benchmarks/stragglers.py [--inner-steps 20] [--wall 90] [--slow 5]
 
 Three prime-train nodes (configs/debug.toml, one CPU thread each), each its own process and
 folder, and a coordinator in this process; node 2 trains at 1/`--slow` of the others' speed
@@ -167,7 +167,7 @@ def report(a: argparse.Namespace, f: dict[str, dict], t: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--inner-steps", type=int, default=10)
+    p.add_argument("--inner-steps", type=int, default=20)
     p.add_argument("--wall", type=float, default=90.0, help="seconds per run from step 0")
     p.add_argument("--slow", type=float, default=5.0, help="node 2's slowdown factor")
     p.add_argument("--keep", action="store_true", help="keep the work folder")

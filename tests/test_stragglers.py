@@ -98,3 +98,36 @@ def test_time_budgeted_rounds_with_a_straggler_resume_exactly(tmp_path, token_ca
     # the run learns
     losses = [r["loss"] for r in rows[0] if "tokens_per_s" in r and r.get("loss") is not None]
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_time_budgeted_rounds_overlap_delayed(tmp_path, token_cache, children):
+    """With `overlap = "delayed"` a round is time-budgeted the same way: the slow node brings
+    fewer steps, contributes, and every node applies the same weighted average (one round
+    late, as delayed rounds are)."""
+    n = [tmp_path / f"node{k}" for k in range(2)]
+    node = dict(NODE, steps=100, args=[*NODE["args"], "--diloco.overlap", "delayed"])
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    try:
+        procs = []
+        for k, folder in enumerate(n):
+            procs.append(start_cli_node(children, folder, coordinator=coord.address,
+                                        cache=token_cache, env=SLOW if k else {}, **node))  # fmt: skip
+            wait_until(lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k}")
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        coord.close()
+    assert codes == [0, 0], log_tails(tmp_path)
+    outer = [outer_by_step(folder_metrics(f)) for f in n]
+    assert outer[0].keys() == outer[1].keys() and len(outer[0]) >= 4, outer[0].keys()
+    for s in outer[0]:
+        assert outer[0][s]["outer_sha256"] == outer[1][s]["outer_sha256"], s
+        assert (
+            outer[0][s]["round_tokens"] + outer[1][s]["round_tokens"]
+            == (outer[0][s]["round_tokens_all"])
+        ), s
+    steps = [[o[s]["round_inner_steps"] for s in sorted(o)] for o in outer]
+    assert statistics.median(steps[1]) < statistics.median(steps[0]), steps
+    contributed = [s for s in outer[1] if outer[1][s]["round_tokens"] > 0]
+    assert len(contributed) >= 0.75 * len(outer[1]), steps

@@ -262,5 +262,6 @@ def test_time_budgeted_rounds_enter_the_config_hash_only_when_on():
     assert load_config(None, on_min, env={}).fingerprint_hash() != on.fingerprint_hash()
     with pytest.raises(ConfigError, match="min_inner_steps = 60 is more than inner_steps"):
         load_config(None, [*on_min[:2], "--diloco.min_inner_steps", "60"], env={})
-    with pytest.raises(ConfigError, match="round_seconds > 0 needs overlap"):
-        load_config(None, [*on_min[:2], "--diloco.overlap", "delayed"], env={})
+    # a delayed run's rounds are time-budgeted the same way (the overlap is its own setting)
+    delayed = load_config(None, [*on_min, "--diloco.overlap", "delayed"], env={})
+    assert delayed.diloco.round_seconds == 30 and delayed.diloco.overlap == "delayed"

@@ -303,11 +303,6 @@ class DilocoConfig(Section):
                 "error_feedback = true needs a quantized compression ('uint8', 'uint4' or "
                 "'uint2'): with 'none' nothing is lost to carry"
             )
-        if self.round_seconds > 0 and self.overlap != "none":
-            raise ValueError(
-                "round_seconds > 0 needs overlap = 'none' (a delayed round's length is not "
-                "time-budgeted yet)"
-            )
         if self.round_seconds > 0 and self.min_inner_steps > self.inner_steps:
             raise ValueError(
                 f"min_inner_steps = {self.min_inner_steps} is more than inner_steps = "

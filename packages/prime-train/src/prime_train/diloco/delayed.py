@@ -43,11 +43,13 @@ import prime_comm
 from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
 from prime_train.diloco.outer_step import Diloco, JoinedLate
+from prime_train.diloco.round_log import round_counts
 from prime_train.seam import OuterStepReport
 
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
-             "late": "", "behind": 0, "consumed": None, "members": []}  # fmt: skip
+             "late": "", "behind": 0, "consumed": None, "members": [], "inner_steps": 0,
+             "counted": None}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -98,7 +100,9 @@ class DelayedDiloco(Diloco):
         if not contributing:
             opt.pseudo_gradient.zero_()
         opt.copy_model_into(self.round_start)  # X = θ
-        self._round = dict(_NO_ROUND, state="running", step=step)
+        self._round = dict(_NO_ROUND, state="running", step=step,
+                           inner_steps=self.round_inner_steps)  # fmt: skip
+        self.round_inner_steps = 0
         self._rounds += 1
         self._thread = threading.Thread(
             target=self._background_round,
@@ -141,6 +145,8 @@ class DelayedDiloco(Diloco):
                 behind=got.behind,
                 consumed=got.consumed,
                 members=list(mesh.global_members),
+                # this node's reads that counted (None: it sent none, or was not counted)
+                counted=reads if contributing and got.late is None else None,
             )
         except BaseException as e:  # the mesh is gone (coordinator lost, closed): re-raised
             self._fatal = e
@@ -204,6 +210,9 @@ class DelayedDiloco(Diloco):
                 "waited_s": waited,
                 **(data or {}),
                 **self.feedback.metrics(),
+                **round_counts(
+                    int(rnd["inner_steps"]), self.data, rnd["consumed"], rnd["counted"]
+                ),
             },
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )
