@@ -10,6 +10,7 @@ import torch.distributed as dist
 from prime_testkit import free_port, gloo_world
 from prime_train.config import Config, DilocoConfig
 from prime_train.diloco import Diloco, make_outer_step
+from prime_train.diloco.average import average_pseudo_gradient
 
 
 class ScriptedMesh:
@@ -177,6 +178,41 @@ def test_delayed_overlap_keeps_a_committed_rounds_residual_and_not_a_dropped_one
         assert out["carried"] and out["untouched_by_dropped_round"] and out["kept_at_commit"]
         assert out["in_state"] and out["outer_steps"] == 2
     assert results[0]["digest"] == results[1]["digest"]
+
+
+def _weighted_worker(rank, world, port, q):
+    torch.set_num_threads(1)
+    gloo_world(rank, world, port)
+    try:
+        g = torch.Generator().manual_seed(7 + rank)
+        pg = torch.randn(120_000, generator=g)
+        carried = torch.randn(120_000, generator=g) * 0.05  # the residual of an earlier round
+        reads = [3, 0] if rank == 0 else [1, 0]  # weights 2 * 3/4 and 2 * 1/4
+        sent = pg * (2 * sum(reads) / 4) + carried  # what this node means to send
+        new = torch.zeros_like(pg)
+        got = average_pseudo_gradient(ScriptedMesh([], []), pg, "uint2", 0, reads=reads,
+                                      feedback=(carried, new), weighted=True)  # fmt: skip
+        # error feedback's identity: the average is the mean of what each node meant to send
+        # minus the error it keeps
+        off = (pg.double() - _mean(sent.double() - new.double())).abs().max().item()
+        q.put((rank, {"error": got.error, "off": off, "kept": new.abs().sum().item()}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_weighted_rounds_add_the_carried_residual_after_the_weight(children):
+    """Time-budgeted rounds weigh each node's pseudo-gradient by its reads; a carried residual
+    is added after that weight (it is already in sent units): w x P + residual, not
+    w x (P + residual)."""
+    world, port = 2, free_port()
+    q = children.queue()
+    for r in range(world):
+        children.process(_weighted_worker, r, world, port, q)
+    results = dict(q.get(timeout=100) for _ in range(world))
+    for out in results.values():
+        assert out["error"] is None and out["kept"] > 0
+        assert out["off"] < 1e-4, out
 
 
 def test_off_by_default_and_out_of_the_hash_when_off():

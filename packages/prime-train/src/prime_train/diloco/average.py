@@ -50,13 +50,14 @@ def average_pseudo_gradient(
     contributing: bool = True,
     regrouped: bool = False,
     reads: list[int] | None = None,
-    residual: torch.Tensor | None = None,
+    feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
     weighted: bool = False,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
     `outer_steps` is this node's count of applied outer steps; `reads`: this node's uncounted
-    reads per data slot; `residual` receives this node's quantization error (error feedback:
-    `diloco/error_feedback.py`); `weighted`: weigh the contributors by their `reads`."""
+    reads per data slot; `feedback` (error feedback, `diloco/error_feedback.py`): the residual
+    this node carries, added after the weighting, and the buffer that receives this attempt's
+    quantization error; `weighted`: weigh the contributors by their `reads`."""
     t = time.monotonic()
     world = mesh.global_world_size
     contributors, late, mismatch, consumed, behind = world, None, False, None, 0
@@ -67,6 +68,9 @@ def average_pseudo_gradient(
             )
         if weighted and reads is not None and consumed is not None:
             _weigh(pseudo_gradient, contributors, sum(reads) if contributing else 0, consumed)
+        carried, residual = feedback if feedback is not None else (None, None)
+        if carried is not None:
+            pseudo_gradient.add_(carried)
         stats = prime_comm.all_reduce(
             pseudo_gradient,
             group=mesh.global_pg,

@@ -210,9 +210,7 @@ class DelayedDiloco(Diloco):
                 "waited_s": waited,
                 **(data or {}),
                 **self.feedback.metrics(),
-                **round_counts(
-                    int(rnd["inner_steps"]), self.data, rnd["consumed"], rnd["counted"]
-                ),
+                **round_counts(int(rnd["inner_steps"]), self.data, rnd["consumed"], rnd["counted"]),
             },
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )

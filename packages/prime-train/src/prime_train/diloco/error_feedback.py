@@ -7,6 +7,9 @@ owns, the error of re-quantizing the reduced chunk, scaled to input units (the a
 error reached every node through it alone; at 2 bits it is as large as the inputs' own, see
 prime-comm's README). Every node's average is then avg(pseudo-gradient + residual - e), and
 the next round sends pseudo-gradient + e: nothing is lost for good, only delayed a round.
+With time-budgeted rounds (`[diloco] round_seconds`) the node's weight w scales its
+pseudo-gradient before e is added (it sends w x pseudo-gradient + e): e is already in the
+units that were sent, so it carries over exactly whatever the next round's weight.
 
 The residual is the node's own (not part of the committed outer state every member shares):
 - each attempt sends pseudo-gradient + the residual of the last *committed* attempt, so a
@@ -37,14 +40,15 @@ class ErrorFeedback:
         self._next = torch.zeros_like(self.residual)  # the attempt in progress writes here
         self._prepared = False
 
-    def prepare(self, pseudo_gradient: Tensor, contributing: bool) -> Tensor | None:
-        """Before an attempt's all-reduce: add the committed residual to what this node sends
-        and return the buffer for the attempt's residual (None: off, or not contributing)."""
+    def prepare(self, contributing: bool) -> tuple[Tensor, Tensor] | None:
+        """Before an attempt's all-reduce: (the committed residual, to add to what this node
+        sends, the buffer for the attempt's residual); None: off, or not contributing. The
+        caller adds it after weighting the pseudo-gradient (`diloco/average.py`), so a carried
+        error is sent as it was meant to be, not re-weighted by the next round's share."""
         self._prepared = self.enabled and contributing
         if not self._prepared:
             return None
-        pseudo_gradient.add_(self.residual)
-        return self._next
+        return self.residual, self._next
 
     def commit(self) -> None:
         """The vote committed the prepared attempt: its residual becomes this node's."""

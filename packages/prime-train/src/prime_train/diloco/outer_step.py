@@ -224,7 +224,7 @@ class Diloco:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
         point (`regrouped`: the group changed there); `contributing` is False for a joiner's
         first round; `reads`: the node's uncounted reads per data slot."""
-        residual = self.feedback.prepare(self.optimizer.pseudo_gradient, contributing)
+        feedback = self.feedback.prepare(contributing)
         got = average_pseudo_gradient(
             self.mesh,
             self.optimizer.pseudo_gradient,
@@ -234,7 +234,7 @@ class Diloco:
             contributing=contributing,
             regrouped=regrouped,
             reads=reads,
-            residual=residual,
+            feedback=feedback,
             weighted=self.cfg.round_seconds > 0,
         )
         if got.mismatch and contributing:
