@@ -71,7 +71,7 @@ if [ "$DRY" = 1 ]; then
     COMMON=(--config configs/debug.toml --data.path "{stdlib}/[a-c]*.py" --data.seq_len 64
         --train.batch_size 4 --train.steps 20 --run.log_every 5 --eval.every 0
         --eval.batches 2 --ckpt.every 0 --launch.local_nodes 1 --train.device cpu)
-    DILOCO=(--train.steps 40 --diloco.inner_steps 20)
+    DILOCO=(--diloco.inner_steps 10) # 2 outer steps in the 20 steps
 else
     GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
     DEV=GPU
