@@ -36,20 +36,26 @@ class ErrorFeedback:
         self.residual = torch.zeros(numel if enabled else 0, dtype=torch.float32)
         self._next = torch.zeros_like(self.residual)  # the attempt in progress writes here
         self._prepared = False
+        self._span = slice(None)  # the range the prepared attempt sends (a fragment's)
 
-    def prepare(self, pseudo_gradient: Tensor, contributing: bool) -> Tensor | None:
+    def prepare(
+        self, pseudo_gradient: Tensor, contributing: bool, span: slice | None = None
+    ) -> Tensor | None:
         """Before an attempt's all-reduce: add the committed residual to what this node sends
-        and return the buffer for the attempt's residual (None: off, or not contributing)."""
+        and return the buffer for the attempt's residual (None: off, or not contributing);
+        `span`: the range of the flat buffers `pseudo_gradient` is (streaming fragments: each
+        fragment carries its own residual)."""
         self._prepared = self.enabled and contributing
         if not self._prepared:
             return None
-        pseudo_gradient.add_(self.residual)
-        return self._next
+        self._span = span or slice(None)
+        pseudo_gradient.add_(self.residual[self._span])
+        return self._next[self._span]
 
     def commit(self) -> None:
         """The vote committed the prepared attempt: its residual becomes this node's."""
         if self._prepared:
-            self.residual.copy_(self._next)
+            self.residual[self._span].copy_(self._next[self._span])
             self._prepared = False
 
     def reset(self) -> None:
