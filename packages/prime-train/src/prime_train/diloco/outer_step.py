@@ -24,6 +24,8 @@ next inner steps compute. Where to resume is agreed through it too
 (`diloco/resume_agreement.py`). A round's nominal span is `inner_steps` inner steps
 (`is_boundary`, `round_end`); with `[diloco] round_seconds` the loop may end it earlier
 (`outer_boundary.py`) and the average weighs each node by its reads (`diloco/average.py`).
+With `[diloco] fragments = F` a round is H / F steps and its sync averages one fragment of the
+model, chosen by the committed count (`diloco/fragments.py`, `part`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ from prime_train.diloco.fragments import build
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
-from prime_train.diloco.round_log import RoundLog, join_cost, members_before, round_counts
+from prime_train.diloco.round_log import (
+    RoundLog,
+    join_cost,
+    joiners_waiting,
+    members_before,
+    round_counts,
+    run_summary,
+)
 from prime_train.metrics import Log, Metrics
 from prime_train.rundir import RunDirError
 from prime_train.seam import OuterStepReport
@@ -376,16 +385,8 @@ class Diloco:
     # -- membership -------------------------------------------------------------------------
 
     def joiners_waiting(self) -> bool:
-        """Whether a node is registered but not a member yet (it needs the state of the round
-        that starts now: the loop then checkpoints; also when the coordinator cannot say).
-        The node's ranks answer alike."""
-        try:
-            mine = [any(m.get("state") != "member" for m in self.mesh.members())]
-        except Exception:  # the coordinator is briefly unreachable: checkpoint, in case
-            mine = [True]
-        if self.node_group is not None:
-            dist.broadcast_object_list(mine, group_src=0, group=self.node_group)
-        return bool(mine[0])
+        """Whether a node is registered but not a member yet (see `round_log.joiners_waiting`)."""
+        return joiners_waiting(self.mesh, self.node_group)
 
     def rollback_to_outer(self) -> None:
         """Put the model back to the outer weights, the state every node shares since the last
@@ -407,21 +408,7 @@ class Diloco:
 
     def summary(self) -> dict[str, Any]:
         """Totals and settings for the run's summary."""
-        d = self.cfg
-        t = self.totals
-        return {
-            **t,
-            "compute_utilisation": (
-                t["compute_seconds"] / t["round_seconds"] if t["round_seconds"] else None
-            ),
-            "overlap": d.overlap,
-            "inner_steps": d.inner_steps,
-            "outer_lr": d.outer_lr,
-            "outer_momentum": d.outer_momentum,
-            "compression": d.compression,
-            "fragments": d.fragments,
-            "nodes_now": self.rounds.nodes_now,
-        }
+        return run_summary(self.cfg, self.rounds)
 
     def _warn(self, msg: str) -> None:
         if self.log is not None:
