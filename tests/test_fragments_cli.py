@@ -1,5 +1,5 @@
 """Streaming outer steps (`[diloco] fragments = 3`) through the real CLI: two nodes, a 3-layer
-debug model, one fragment synced every 10 inner steps. Every sync is an outer-step row naming
+debug model, one fragment synced every 5 inner steps. Every sync is an outer-step row naming
 its fragment and bytes, with the same outer weights' hash on both nodes; both nodes told to
 stop mid-round leave at once with the last committed sync (their local weights of the other
 fragments included), and the resumed run reproduces the uninterrupted one exactly. A node
@@ -27,8 +27,8 @@ from prime_testkit.runs import outer_rows
 
 TOKEN = "fragments-cli-test-token"
 ARGS = [
-    "--model.n_layers", "3", "--diloco.fragments", "3", "--diloco.inner_steps", "30",
-    "--train.steps", "40", "--eval.every", "30", "--run.log_every", "5", "--ckpt.every", "0",
+    "--model.n_layers", "3", "--diloco.fragments", "3", "--diloco.inner_steps", "15",
+    "--train.steps", "20", "--eval.every", "15", "--run.log_every", "1", "--ckpt.every", "0",
     "--train.stop_within_s", "0", "--diloco.compression", "uint4",
     "--diloco.error_feedback", "true",
 ]  # fmt: skip
@@ -40,15 +40,15 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
     go = tmp_path / "go"
 
     def run_pair(runs, stop=False):
-        def mid_round() -> bool:  # outer step 2 (step 20) committed, held before step 26
+        def mid_round() -> bool:  # outer step 2 (step 10) committed, held before step 13
             rows = node_metrics(runs / "debug")
-            if 2 in outer_hashes(rows) and any(r["step"] >= 25 for r in rows):
+            if 2 in outer_hashes(rows) and any(r["step"] >= 12 for r in rows):
                 go.touch()  # (the stop signal follows at once: it lands mid-round)
                 return True
             return False
 
-        # the split run's nodes wait before step 26 (at most 60 s) until the test lets them go
-        hold = {"PRIME_TRAIN_FAULT_STALL_AT_STEP": "26", "PRIME_TRAIN_FAULT_STALL_S": "60",
+        # the split run's nodes wait before step 13 (at most 60 s) until the test lets them go
+        hold = {"PRIME_TRAIN_FAULT_STALL_AT_STEP": "13", "PRIME_TRAIN_FAULT_STALL_S": "60",
                 "PRIME_TRAIN_FAULT_STALL_UNTIL": str(go)} if stop else {}  # fmt: skip
 
         return run_local_nodes(children, token=TOKEN,
@@ -56,13 +56,13 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
                                                "--launch.local_nodes", "2"),
                                logs=[runs.parent / f"{runs.name}-{k}.log" for k in range(2)],
                                stop_when=mid_round if stop else None,
-                               what="step 25, after outer step 2", **hold)  # fmt: skip
+                               what="step 12, after outer step 2", **hold)  # fmt: skip
 
     full, split = tmp_path / "full", tmp_path / "split"
     assert run_pair(full) == [0, 0], log_tails(tmp_path)
     rows = [outer_rows(node_metrics(full / "debug", k)) for k in range(2)]
-    for k in range(2):  # a sync every 10 steps, fragments in turn, the same hash on both
-        assert [r["step"] for r in rows[k]] == [10, 20, 30, 40]
+    for k in range(2):  # a sync every 5 steps, fragments in turn, the same hash on both
+        assert [r["step"] for r in rows[k]] == [5, 10, 15, 20]
         assert [r["outer_step"] for r in rows[k]] == [1, 2, 3, 4]
         assert [r["fragment"] for r in rows[k]] == [0, 1, 2, 0]
         assert all(r["bytes_sent"] > 0 for r in rows[k])
@@ -75,7 +75,7 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
     assert run_pair(split, stop=True) == [0, 0], log_tails(tmp_path)
     for k in range(2):
         log = (tmp_path / f"split-{k}.log").read_text()
-        assert "left the mesh and checkpointed step 20" in log, log[-2000:]
+        assert "left the mesh and checkpointed step 10" in log, log[-2000:]
     assert run_pair(split) == [0, 0], log_tails(tmp_path)
     for k in range(2):
         a, b = trace(node_metrics(full / "debug", k)), trace(node_metrics(split / "debug", k))
