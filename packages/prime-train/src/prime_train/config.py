@@ -256,6 +256,14 @@ class DilocoConfig(Section):
         "round k runs in the background during round k+1 and its update is applied at the end "
         "of round k+1",
     )
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="F: streaming outer steps. The layers are split into F strided fragments "
+        "(layer i in fragment i % F) and one fragment syncs every inner_steps / F steps, each "
+        "sync its own outer step; every parameter still syncs once every inner_steps. 1: the "
+        "whole model at once",
+    )
     sync_timeout_s: float = Field(
         0.0,
         ge=0.0,
@@ -303,6 +311,16 @@ class DilocoConfig(Section):
                 "error_feedback = true needs a quantized compression ('uint8', 'uint4' or "
                 "'uint2'): with 'none' nothing is lost to carry"
             )
+        if self.fragments > 1 and self.inner_steps % self.fragments:
+            raise ValueError(
+                f"fragments = {self.fragments} must divide inner_steps = {self.inner_steps} "
+                "(a fragment syncs every inner_steps / fragments inner steps)"
+            )
+        if self.fragments > 1 and (self.overlap != "none" or self.round_seconds > 0):
+            raise ValueError(
+                f"fragments = {self.fragments} needs overlap = 'none' and round_seconds = 0 "
+                "(streaming fragments are synchronous, fixed-length rounds for now)"
+            )
         if self.round_seconds > 0 and self.min_inner_steps > self.inner_steps:
             raise ValueError(
                 f"min_inner_steps = {self.min_inner_steps} is more than inner_steps = "
@@ -348,6 +366,8 @@ class Config(Section):
                 del d[section][key]
         if not self.diloco.round_seconds:  # fixed rounds: neither matters
             del d["diloco"]["round_seconds"], d["diloco"]["min_inner_steps"]
+        if self.diloco.fragments == 1:  # the whole model at once: the hash of earlier runs
+            del d["diloco"]["fragments"]
         if self.model.init_from is not None:  # the weights, wherever the folder lives
             from prime_train.hf_layout import weights_digest
 

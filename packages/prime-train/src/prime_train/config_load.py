@@ -214,6 +214,16 @@ def check_combined(
             f"use a divisor such as {' or '.join(map(str, _nearest(ok, t.micro_batch_size)))} "
             "(or leave it unset: the whole batch at once)"
         )
+    frags = cfg.diloco.fragments
+    if frags > 1:
+        from prime_train.model import PRESETS  # (the model module is heavy: only when used)
+
+        layers = cfg.model.n_layers or PRESETS[cfg.model.preset].n_layers
+        if frags > layers:
+            raise ConfigError(
+                f"`diloco.fragments` = {frags} ({where('diloco', 'fragments')}) is more than "
+                f"the model's {layers} layers: use at most {layers} (each fragment holds layers)"
+            )
     h, every = cfg.diloco.inner_steps, cfg.ckpt.every
     if every and every % h and uses_diloco(cfg, env):
         below, above = (every // h) * h, (every // h + 1) * h

@@ -113,7 +113,9 @@ def _diloco_line(d: dict | None) -> str:
         return ""
     return (
         f"  DiLoCo: {d['outer_steps']} outer steps (H={d['inner_steps']}, outer lr "
-        f"{d['outer_lr']}, momentum {d['outer_momentum']}, {d['compression']}), "
+        f"{d['outer_lr']}, momentum {d['outer_momentum']}, {d['compression']}"
+        + (f", {d['fragments']} fragments" if d.get("fragments", 1) > 1 else "")
+        + "), "
         f"{d['comm_bytes'] / 1e6:.2f} MB sent in {d['comm_seconds']:.1f} s of all-reduce, "
         f"{d['nodes_now']} node(s) at the end"
         + (

@@ -130,6 +130,7 @@ def train(
                 log=log,
                 node_group=placement.group,
                 data=run.loader,
+                names=[name for name, _ in run.model.named_parameters()],
             )
         if outer is not None and membership is not None:
             attach_replay_log(run, outer)

@@ -16,6 +16,7 @@ tells every member, and all re-form and retry.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,12 +53,15 @@ def average_pseudo_gradient(
     reads: list[int] | None = None,
     feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
     weighted: bool = False,
+    payload_for: Callable[[int], torch.Tensor] | None = None,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
     `outer_steps` is this node's count of applied outer steps; `reads`: this node's uncounted
     reads per data slot; `feedback` (error feedback, `diloco/error_feedback.py`): the residual
     this node carries, added after the weighting, and the buffer that receives this attempt's
-    quantization error; `weighted`: weigh the contributors by their `reads`."""
+    quantization error; `weighted`: weigh the contributors by their `reads`;
+    `payload_for` (streaming fragments): a late joiner's buffer for the members' outer step
+    count, so that its zeros are as long as the fragment the members send."""
     t = time.monotonic()
     world = mesh.global_world_size
     contributors, late, mismatch, consumed, behind = world, None, False, None, 0
@@ -66,6 +70,8 @@ def average_pseudo_gradient(
             contributors, late, mismatch, consumed, behind = _header(
                 mesh, contributing, outer_steps, reads
             )
+        if behind > 0 and payload_for is not None:  # (a joiner: it contributes nothing)
+            pseudo_gradient = payload_for(outer_steps + behind).zero_()
         if weighted and reads is not None and consumed is not None:
             _weigh(pseudo_gradient, contributors, sum(reads) if contributing else 0, consumed)
         carried, residual = feedback if feedback is not None else (None, None)

@@ -10,6 +10,10 @@ when it is told to stop mid-round (dropping the inner steps since: the replicas 
 sync; a run resumed from it continues exactly as if it had stopped at that boundary), and the
 one place to add what later becomes part of the shared state (data positions, a token
 clock, ...).
+
+With streaming fragments (`[diloco] fragments` > 1) the model at a committed sync is not the
+outer weights (the other fragments hold local progress since their own syncs): the record
+then also keeps a host copy of the model's weights there, and puts those back.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prime_train.checkpointing import restore_optimizer, snapshot_optimizer
+from prime_train.diloco.outer_optimizer import local_tensor
 from prime_train.seam import ElasticOuterStep, OuterStepReport
 
 if TYPE_CHECKING:
@@ -37,6 +42,7 @@ class CommittedState:
     progress: dict[str, Any]
     rng: torch.Tensor
     optimizer: dict[str, dict[str, Any]]  # the inner optimizer's state, in host memory
+    model: list[torch.Tensor] | None = None  # with fragments: the model's weights (host)
 
     @classmethod
     def take(cls, run: Run, step: int, report: OuterStepReport | None = None) -> CommittedState:
@@ -50,6 +56,11 @@ class CommittedState:
             progress=dict(run.progress),
             rng=torch.get_rng_state(),
             optimizer=snapshot_optimizer(run.model, run.opt),
+            model=(
+                [local_tensor(p).detach().to("cpu", copy=True) for p in run.params]
+                if run.cfg.diloco.fragments > 1
+                else None
+            ),
         )
 
     def checkpoint(self, run: Run, outer: ElasticOuterStep) -> None:
@@ -58,7 +69,12 @@ class CommittedState:
         node already holds a checkpoint of it)."""
         if self.step in run.ckpt.committed_steps():
             return
-        outer.rollback_to_outer()
+        if self.model is None:
+            outer.rollback_to_outer()
+        else:
+            with torch.no_grad():
+                for p, saved in zip(run.params, self.model, strict=True):
+                    local_tensor(p).copy_(saved)
         restore_optimizer(run.model, run.opt, self.optimizer)
         run.loader.load_state_dict(self.data)
         run.progress.clear()

@@ -39,21 +39,27 @@ class ErrorFeedback:
         self.residual = torch.zeros(numel if enabled else 0, dtype=torch.float32)
         self._next = torch.zeros_like(self.residual)  # the attempt in progress writes here
         self._prepared = False
+        self._span = slice(None)  # the range the prepared attempt sends (a fragment's)
 
-    def prepare(self, contributing: bool) -> tuple[Tensor, Tensor] | None:
+    def prepare(
+        self, contributing: bool, span: slice | None = None
+    ) -> tuple[Tensor, Tensor] | None:
         """Before an attempt's all-reduce: (the committed residual, to add to what this node
         sends, the buffer for the attempt's residual); None: off, or not contributing. The
         caller adds it after weighting the pseudo-gradient (`diloco/average.py`), so a carried
-        error is sent as it was meant to be, not re-weighted by the next round's share."""
+        error is sent as it was meant to be, not re-weighted by the next round's share.
+        `span`: the range of the flat buffers the attempt sends (streaming fragments: each
+        fragment carries its own residual)."""
         self._prepared = self.enabled and contributing
         if not self._prepared:
             return None
-        return self.residual, self._next
+        self._span = span or slice(None)
+        return self.residual[self._span], self._next[self._span]
 
     def commit(self) -> None:
         """The vote committed the prepared attempt: its residual becomes this node's."""
         if self._prepared:
-            self.residual.copy_(self._next)
+            self.residual[self._span].copy_(self._next[self._span])
             self._prepared = False
 
     def reset(self) -> None:

@@ -85,6 +85,8 @@ def listening(outer: ElasticOuterStep) -> bool:
         replaying(outer)
         and not getattr(outer, "overlapped", True)
         and getattr(outer, "data", None) is not None
+        # (with fragments it replays in place: a listener's rounds are whole-model ones)
+        and getattr(getattr(outer, "cfg", None), "fragments", 1) == 1
     )
 
 

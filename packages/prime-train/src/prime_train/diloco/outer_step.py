@@ -24,6 +24,8 @@ next inner steps compute. Where to resume is agreed through it too
 (`diloco/resume_agreement.py`). A round's nominal span is `inner_steps` inner steps
 (`is_boundary`, `round_end`); with `[diloco] round_seconds` the loop may end it earlier
 (`outer_boundary.py`) and the average weighs each node by its reads (`diloco/average.py`).
+With `[diloco] fragments = F` a round is H / F steps and its sync averages one fragment of the
+model, chosen by the committed count (`diloco/fragments.py`, `part`).
 """
 
 from __future__ import annotations
@@ -38,10 +40,18 @@ import torch.distributed as dist
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.error_feedback import ErrorFeedback
+from prime_train.diloco.fragments import build
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
-from prime_train.diloco.round_log import RoundLog, join_cost, members_before, round_counts
+from prime_train.diloco.round_log import (
+    RoundLog,
+    join_cost,
+    joiners_waiting,
+    members_before,
+    round_counts,
+    run_summary,
+)
 from prime_train.metrics import Log, Metrics
 from prime_train.rundir import RunDirError
 from prime_train.seam import OuterStepReport
@@ -80,13 +90,18 @@ class Diloco:
         max_retries: int = 3,
         node_group: dist.ProcessGroup | None = None,
         data: SlotLoader | None = None,
+        names: list[str] | None = None,
     ):
         """`params` are this rank's (sharded) parameters; `node_group` is the node's own process
         group when it has several ranks (each averages its shard in its own inter-node group);
-        `data`: the node's data slots, whose positions move with each committed round."""
+        `data`: the node's data slots, whose positions move with each committed round;
+        `names`: the parameters' names (needed with `[diloco] fragments` > 1)."""
         self.cfg, self.mesh, self.log, self.data = cfg, mesh, log, data
         self.node_group = node_group if node_group and dist.get_world_size(node_group) > 1 else None
-        self.optimizer = OuterOptimizer(params, lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+        # each sync averages one fragment (`diloco/fragments.py`; F = 1: the whole model)
+        self.fragments = build(params, names, cfg.fragments, cfg.outer_lr, cfg.outer_momentum)
+        self.optimizer: OuterOptimizer = self.fragments.optimizer
+        self.period = cfg.inner_steps // cfg.fragments  # inner steps between two syncs
         self.feedback = ErrorFeedback(self.optimizer.weights.numel(), cfg.error_feedback)
         self.max_retries = max_retries
         self.rounds = RoundLog(self.optimizer, cfg.compression, self.node_group, metrics, log)
@@ -110,12 +125,18 @@ class Diloco:
     # -- rounds -----------------------------------------------------------------------------
 
     def is_boundary(self, step: int) -> bool:
-        """Inner step `step` ends a round: every `inner_steps` steps."""
-        return step % self.cfg.inner_steps == 0
+        """Inner step `step` ends a round: every `inner_steps` / `fragments` steps."""
+        return step % self.period == 0
 
     def round_end(self, step: int) -> int:
         """The inner step that ends the round running after inner step `step`."""
-        return (step // self.cfg.inner_steps + 1) * self.cfg.inner_steps
+        return (step // self.period + 1) * self.period
+
+    @property
+    def part(self) -> OuterOptimizer:
+        """The outer optimizer of the fragment the next sync averages (the whole model when
+        `fragments` = 1): chosen by the committed outer step count."""
+        return self.fragments.part(self.outer_steps)
 
     # -- the outer step ---------------------------------------------------------------------
 
@@ -129,7 +150,7 @@ class Diloco:
         if self._started is not None:
             raise RuntimeError("the previous outer step was started but not finished")
         self._started = (step, time.monotonic())
-        self.optimizer.compute_pseudo_gradient()
+        self.part.compute_pseudo_gradient()
 
     def finish(self) -> OuterStepReport:
         """Average over the live nodes, agree, apply (retrying on failure); report it."""
@@ -142,6 +163,8 @@ class Diloco:
         a round it only listened to (admitted late, `self.listener` set: call again with the
         listener's next round)."""
         self.feedback.reset()
+        if self.fragments.count > 1:  # its local weights: the shared outer ones, not the donor's
+            self.optimizer.load_into_model()
         self.start(step)
         return self._complete(contributing=False)
 
@@ -158,9 +181,9 @@ class Diloco:
         try:
             for attempt in range(1, self.max_retries + 2):
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
-                    self.optimizer.compute_pseudo_gradient()
+                    self.part.compute_pseudo_gradient()
                 if not contributing:
-                    self.optimizer.pseudo_gradient.zero_()
+                    self.part.pseudo_gradient.zero_()
                 before = members_before(self.mesh)
                 t_sync = time.monotonic()
                 regrouped = self.mesh.maybe_reinit_global_pg()
@@ -168,7 +191,7 @@ class Diloco:
                 got = self.average(regrouped, contributing, reads)
                 if self.vote(got):
                     if self.listener is None and got.late is not None and self.listen_late:
-                        step += got.behind * self.cfg.inner_steps  # the members' round
+                        step += got.behind * self.period  # the members' round
                         self.listener = self.listen_late(self.outer_steps, got.behind)
                     if self.listener is not None:  # (its buffer holds the round's average)
                         if not self.listener.listened(got, step):
@@ -177,12 +200,14 @@ class Diloco:
                     elif got.late is not None:
                         if not self._catch_up_in_place(got.behind):
                             raise JoinedLate(got.late)  # the members commit; this node leaves
-                        step += got.behind * self.cfg.inner_steps  # the members' round
-                    self.optimizer.apply()
+                        step += got.behind * self.period  # the members' round
+                    fragment = self.fragments.index(self.outer_steps)  # (before it counts)
+                    self.part.apply()
                     extra = self._commit_data(got.consumed, self.mesh.global_members)
                     seconds = time.monotonic() - t0
                     extra = {**(extra or {}), **self.feedback.metrics(),
                              **join_cost(self.mesh, before, sync_seconds),
+                             **({"fragment": fragment} if self.fragments.count > 1 else {}),
                              **round_counts(self.round_inner_steps, self.data, got.consumed,
                                             reads if contributing and got.late is None
                                             else None)}  # fmt: skip
@@ -211,11 +236,12 @@ class Diloco:
         False (nothing usable: it leaves) when it cannot."""
         if self.late_catch_up is None or behind <= 0:
             return False
-        average = self.optimizer.pseudo_gradient.clone()  # the replay reuses the buffer
         mine = self.outer_steps
+        members = self.fragments.part(mine + behind)  # the fragment the members averaged
+        average = members.pseudo_gradient.clone()  # the replay reuses the buffer
         if not self.late_catch_up(mine, mine + behind):
             return False
-        self.optimizer.pseudo_gradient.copy_(average)
+        members.pseudo_gradient.copy_(average)
         return True
 
     def average(
@@ -224,10 +250,11 @@ class Diloco:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
         point (`regrouped`: the group changed there); `contributing` is False for a joiner's
         first round; `reads`: the node's uncounted reads per data slot."""
-        feedback = self.feedback.prepare(contributing)
+        span = self.fragments.span(self.outer_steps)
+        feedback = self.feedback.prepare(contributing, span)
         got = average_pseudo_gradient(
             self.mesh,
-            self.optimizer.pseudo_gradient,
+            self.part.pseudo_gradient,
             self.cfg.compression,
             # a listener states the members' count: it will have applied their rounds
             self.listener.count if self.listener is not None else self.rounds.outer_steps,
@@ -236,6 +263,8 @@ class Diloco:
             reads=reads,
             feedback=feedback,
             weighted=self.cfg.round_seconds > 0,
+            # a late joiner's (zero) payload: the fragment of the members' count, not its own
+            payload_for=self.fragments.payload_for if self.fragments.count > 1 else None,
         )
         if got.mismatch and contributing:
             self._warn("a node entered with another outer step count (a late joiner: it "
@@ -261,7 +290,7 @@ class Diloco:
                 rank=rank,
                 outer_sha256=report.outer_sha256,
                 shard_sha256=self.rounds.last_shards[rank],
-                update=self.optimizer.pseudo_gradient,
+                update=self.fragments.part(report.outer_step - 1).pseudo_gradient,
                 shared=self.shared_state(),
             )
         )
@@ -275,7 +304,7 @@ class Diloco:
         """Apply a logged update (the next outer step) to the outer weights, momentum and the
         model, as the members did; None if this rank's shard then has the members' hash, else
         what differs (the state is then unusable: load another checkpoint)."""
-        opt = self.optimizer
+        opt = self.part  # (the entry's fragment: the one after this node's count)
         if entry.outer_step != self.outer_steps + 1:
             return f"entry of outer step {entry.outer_step} after outer step {self.outer_steps}"
         if entry.update.numel() != opt.pseudo_gradient.numel():
@@ -286,7 +315,7 @@ class Diloco:
         opt.pseudo_gradient.copy_(entry.update)
         opt.apply()
         self.totals["outer_steps"] += 1
-        mine = opt.digest()
+        mine = self.optimizer.digest()
         if mine != entry.shard_sha256:
             return (
                 f"outer step {entry.outer_step} replayed to hash {mine[:16]}, the members' is "
@@ -297,8 +326,8 @@ class Diloco:
     def apply_update(self, update: torch.Tensor) -> None:
         """Apply an update this node received in the all-reduce as the next outer step (a
         round a listener kept: the same bits every member applied, see `diloco/listen.py`)."""
-        self.optimizer.pseudo_gradient.copy_(update)
-        self.optimizer.apply()
+        self.part.pseudo_gradient.copy_(update)
+        self.part.apply()
         self.totals["outer_steps"] += 1
 
     def replayed(self, outer_sha256: str) -> None:
@@ -356,16 +385,8 @@ class Diloco:
     # -- membership -------------------------------------------------------------------------
 
     def joiners_waiting(self) -> bool:
-        """Whether a node is registered but not a member yet (it needs the state of the round
-        that starts now: the loop then checkpoints; also when the coordinator cannot say).
-        The node's ranks answer alike."""
-        try:
-            mine = [any(m.get("state") != "member" for m in self.mesh.members())]
-        except Exception:  # the coordinator is briefly unreachable: checkpoint, in case
-            mine = [True]
-        if self.node_group is not None:
-            dist.broadcast_object_list(mine, group_src=0, group=self.node_group)
-        return bool(mine[0])
+        """Whether a node is registered but not a member yet (see `round_log.joiners_waiting`)."""
+        return joiners_waiting(self.mesh, self.node_group)
 
     def rollback_to_outer(self) -> None:
         """Put the model back to the outer weights, the state every node shares since the last
@@ -387,20 +408,7 @@ class Diloco:
 
     def summary(self) -> dict[str, Any]:
         """Totals and settings for the run's summary."""
-        d = self.cfg
-        t = self.totals
-        return {
-            **t,
-            "compute_utilisation": (
-                t["compute_seconds"] / t["round_seconds"] if t["round_seconds"] else None
-            ),
-            "overlap": d.overlap,
-            "inner_steps": d.inner_steps,
-            "outer_lr": d.outer_lr,
-            "outer_momentum": d.outer_momentum,
-            "compression": d.compression,
-            "nodes_now": self.rounds.nodes_now,
-        }
+        return run_summary(self.cfg, self.rounds)
 
     def _warn(self, msg: str) -> None:
         if self.log is not None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from prime_mesh import MeshError
+from prime_train.config import DilocoConfig
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.metrics import Log, Metrics
 from prime_train.seam import OuterStepReport
@@ -63,6 +64,37 @@ def round_counts(
         "round_inner_steps": inner_steps,
         "round_tokens": sum(counted) * seq_len if counted is not None else 0,
         "round_tokens_all": round(sum(consumed)) * seq_len if consumed is not None else None,
+    }
+
+
+def joiners_waiting(mesh: ElasticDeviceMesh, node_group: dist.ProcessGroup | None) -> bool:
+    """Whether a node is registered but not a member yet (it needs the state of the round
+    that starts now: the loop then checkpoints; also when the coordinator cannot say).
+    The node's ranks answer alike."""
+    try:
+        mine = [any(m.get("state") != "member" for m in mesh.members())]
+    except Exception:  # the coordinator is briefly unreachable: checkpoint, in case
+        mine = [True]
+    if node_group is not None:
+        dist.broadcast_object_list(mine, group_src=0, group=node_group)
+    return bool(mine[0])
+
+
+def run_summary(cfg: DilocoConfig, rounds: RoundLog) -> dict[str, Any]:
+    """A DiLoCo run's totals and settings for its summary."""
+    t = rounds.totals
+    return {
+        **t,
+        "compute_utilisation": (
+            t["compute_seconds"] / t["round_seconds"] if t["round_seconds"] else None
+        ),
+        "overlap": cfg.overlap,
+        "inner_steps": cfg.inner_steps,
+        "outer_lr": cfg.outer_lr,
+        "outer_momentum": cfg.outer_momentum,
+        "compression": cfg.compression,
+        "fragments": cfg.fragments,
+        "nodes_now": rounds.nodes_now,
     }
 
 

@@ -1,0 +1,136 @@
+"""Streaming outer steps (`[diloco] fragments = 3`) through the real CLI: two nodes, a 3-layer
+debug model, one fragment synced every 5 inner steps. Every sync is an outer-step row naming
+its fragment and bytes, with the same outer weights' hash on both nodes; both nodes told to
+stop mid-round leave at once with the last committed sync (their local weights of the other
+fragments included), and the resumed run reproduces the uninterrupted one exactly. A node
+joining a running job of two fragments enters at the fragment of the committed count and
+holds the members' hash from there on."""
+
+import signal
+
+import pytest
+
+from prime_mesh import Coordinator
+from prime_testkit import (
+    debug_args,
+    folder_metrics,
+    log_tails,
+    node_metrics,
+    outer_by_step,
+    outer_hashes,
+    run_local_nodes,
+    start_cli_node,
+    trace,
+    wait_until,
+)
+from prime_testkit.runs import outer_rows
+
+TOKEN = "fragments-cli-test-token"
+ARGS = [
+    "--model.n_layers", "3", "--diloco.fragments", "3", "--diloco.inner_steps", "15",
+    "--train.steps", "20", "--eval.every", "15", "--run.log_every", "1", "--ckpt.every", "0",
+    "--train.stop_within_s", "0", "--diloco.compression", "uint4",
+    "--diloco.error_feedback", "true",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, children):
+    go = tmp_path / "go"
+
+    def run_pair(runs, stop=False):
+        def mid_round() -> bool:  # outer step 2 (step 10) committed, held before step 13
+            rows = node_metrics(runs / "debug")
+            if 2 in outer_hashes(rows) and any(r["step"] >= 12 for r in rows):
+                go.touch()  # (the stop signal follows at once: it lands mid-round)
+                return True
+            return False
+
+        # the split run's nodes wait before step 13 (at most 60 s) until the test lets them go
+        hold = {"PRIME_TRAIN_FAULT_STALL_AT_STEP": "13", "PRIME_TRAIN_FAULT_STALL_S": "60",
+                "PRIME_TRAIN_FAULT_STALL_UNTIL": str(go)} if stop else {}  # fmt: skip
+
+        return run_local_nodes(children, token=TOKEN,
+                               args=debug_args(runs, token_cache, *ARGS,
+                                               "--launch.local_nodes", "2"),
+                               logs=[runs.parent / f"{runs.name}-{k}.log" for k in range(2)],
+                               stop_when=mid_round if stop else None,
+                               what="step 12, after outer step 2", **hold)  # fmt: skip
+
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert run_pair(full) == [0, 0], log_tails(tmp_path)
+    rows = [outer_rows(node_metrics(full / "debug", k)) for k in range(2)]
+    for k in range(2):  # a sync every 5 steps, fragments in turn, the same hash on both
+        assert [r["step"] for r in rows[k]] == [5, 10, 15, 20]
+        assert [r["outer_step"] for r in rows[k]] == [1, 2, 3, 4]
+        assert [r["fragment"] for r in rows[k]] == [0, 1, 2, 0]
+        assert all(r["bytes_sent"] > 0 for r in rows[k])
+    assert outer_hashes(rows[0]) == outer_hashes(rows[1])
+    assert len(set(outer_hashes(rows[0]).values())) == 4
+    # each sync sends one fragment: well under half of the three together
+    per_cycle = sum(r["bytes_sent"] for r in rows[0][:3])
+    assert max(r["bytes_sent"] for r in rows[0]) < 0.45 * per_cycle
+
+    assert run_pair(split, stop=True) == [0, 0], log_tails(tmp_path)
+    for k in range(2):
+        log = (tmp_path / f"split-{k}.log").read_text()
+        assert "left the mesh and checkpointed step 10" in log, log[-2000:]
+    assert run_pair(split) == [0, 0], log_tails(tmp_path)
+    for k in range(2):
+        a, b = trace(node_metrics(full / "debug", k)), trace(node_metrics(split / "debug", k))
+        assert a == b, (
+            f"node {k}: resumed run differs: {sorted(set(a.items()) ^ set(b.items()))[:6]}"
+        )
+
+
+# long enough never to end by itself: the test stops the nodes (SIGTERM) after the joiner's rounds
+NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": 10,
+        "args": ["--diloco.fragments", "2", "--ckpt.every", "0"]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_joiner_enters_the_fragment_cycle_with_the_members_hash(tmp_path, token_cache, children):
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    folders = [tmp_path / f"node{k}" for k in range(3)]
+    try:
+        nodes = {}
+        for k in range(2):
+            nodes[k] = start_cli_node(children, folders[k], coordinator=coord.address,
+                                      cache=token_cache, **NODE)  # fmt: skip
+            wait_until(
+                lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers"
+            )
+
+        def outer_of(k: int) -> int:
+            return max(outer_by_step(folder_metrics(folders[k])), default=0)
+
+        def alive() -> bool:
+            return all(p.poll() is None for p in nodes.values())
+
+        wait_until(lambda: outer_of(0) >= 3 or not alive(), 240, what="3 syncs")
+        nodes[2] = start_cli_node(children, folders[2], coordinator=coord.address,
+                                  cache=token_cache, **NODE)  # fmt: skip
+        wait_until(lambda: any(r.get("joined") for r in folder_metrics(folders[2]))
+                   or not alive(), 240, what="the joiner's entry")  # fmt: skip
+        entered = outer_of(2)
+        wait_until(lambda: outer_of(2) >= entered + 3 or not alive(), 240,
+                   what="the joiner's next 3 syncs")  # fmt: skip
+        assert alive(), log_tails(tmp_path)
+        for p in nodes.values():  # each stops at its next sync
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in nodes.values()]
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    theirs = outer_by_step(folder_metrics(folders[0]))
+    for k in range(3):
+        mine = outer_by_step(folder_metrics(folders[k]))
+        for n, r in mine.items():  # the fragment follows the committed count on every node
+            assert r["fragment"] == (n - 1) % 2 and r["step"] == 5 * n, r
+            if n in theirs:
+                assert r["outer_sha256"] == theirs[n]["outer_sha256"], (k, n)
+    joined = outer_by_step(folder_metrics(folders[2]))
+    assert len([n for n in joined if n in theirs]) >= 3, (sorted(joined), sorted(theirs))
+    assert max(joined) > entered
