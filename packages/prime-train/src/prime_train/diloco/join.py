@@ -51,11 +51,12 @@ from prime_train.diloco.catch_up import (
     on_primary,
     replay_fetched,
 )
-from prime_train.diloco.listen import Listener, empty_round
+from prime_train.diloco.listen import Listener
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
+    Background,
     JoinFailed,
     JoinRecord,
     fetch_members_state,
@@ -86,6 +87,19 @@ def listening(outer: ElasticOuterStep) -> bool:
         and not getattr(outer, "overlapped", True)
         and getattr(outer, "data", None) is not None
     )
+
+
+def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: JoinRecord) -> None:
+    """A listener's snapshot (`got`, fetched in the background) came: take what it says into
+    `record` and load it on every local rank."""
+    record.snapshot_step, record.donor, record.snapshot_donors = (
+        got.snapshot_step,
+        got.donor,
+        got.snapshot_donors,
+    )
+    record.bytes, record.seconds = got.bytes, got.seconds
+    record.pending = None
+    _load(run, outer, record)
 
 
 def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
@@ -230,6 +244,8 @@ def load_members_state(
     count, for a rejoin by itself."""
     membership = run.placement.membership
     assert membership is not None and membership.joining
+    if listening(outer) and not faults.waits_after_snapshot():
+        return _admit_first(run, outer, rejoined)
     replay = replaying(outer)
     holder = Holder(membership) if replay and run.primary else None
     with contextlib.ExitStack() as stack:
@@ -274,6 +290,32 @@ def load_members_state(
     return record
 
 
+def _admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
+    """A synchronous joiner says `ready()` at once: admitted at the members' next sync point,
+    it listens while its snapshot comes in the background (`diloco/listen.py`)."""
+    membership = run.placement.membership
+    assert membership is not None
+    record = JoinRecord(step=0, donor=None, bytes=0, seconds=0.0, rejoined=rejoined)
+    if run.primary:
+        record.holder = Holder(membership).__enter__()  # (`enter_running_job` ends it)
+        record.pending = Background(
+            membership,
+            run.ckpt_dir,
+            run.log,
+            shared_tensors(run.cfg.diloco.overlap),
+        )
+    else:
+        record.pending = True  # (local rank 0's fetch, told through `on_primary`)
+    outer.listen_first = True  # type: ignore[attr-defined]
+    faults.delay_first_ready(run.log)
+    membership.mesh.ready()
+    run.log.info(
+        "joining a running job: ready at once, admitted at the members' next sync point; the "
+        "snapshot comes in the background while this node listens"
+    )
+    return record
+
+
 def _catch_up_again(
     run: Run, outer: ElasticOuterStep, record: JoinRecord, late: JoinedLate
 ) -> None:
@@ -282,6 +324,8 @@ def _catch_up_again(
     membership = run.placement.membership
     assert membership is not None
     membership.close()
+    if record.pending is not None:  # (a listener whose snapshot never came: a newer one)
+        record.pending = None
     membership = register_again(run, late)
     run.placement.membership = membership
     outer.reattach(membership.mesh)
@@ -317,9 +361,8 @@ def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | N
             outer.listener.close()  # type: ignore[attr-defined]
             run.log.info("the run completed while this node listened; nothing to enter")
             return None
-        end = min(outer.round_end(done), total)
-        empty_round(run, done, end)
-        report = outer.enter(end)
+        # no training: straight to the next sync point, which its arrival does not time
+        report = outer.enter(min(outer.round_end(done), total))
     return report
 
 
@@ -398,6 +441,7 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
             "late_admissions": record.late,
             "listened": record.listened,
             "listened_fetching": record.listened_fetching,
+            "snapshot_rounds": record.snapshot_rounds,
             "backlog_seconds": record.backlog_seconds,
             "admitted_seconds": admitted,
             **({"rejoined": record.rejoined} if record.rejoined else {}),

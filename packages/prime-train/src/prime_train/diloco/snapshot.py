@@ -14,6 +14,7 @@ checkpoint of the same step is taken, keeping the shared bytes already in.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,10 @@ class JoinRecord:
     listened_fetching: int = 0  # of the later ones, rounds committed while its backlog came
     backlog_seconds: float = 0.0  # fetching the backlog in the background while listening
     holder: Any = field(default=None, repr=False, compare=False)  # catch_up.Holder, kept open
+    # admitted before its snapshot came (`diloco/listen.py`): the fetch under way on local
+    # rank 0 (`Background`), and rounds listened before the snapshot was in
+    pending: Any = field(default=None, repr=False, compare=False)
+    snapshot_rounds: int = 0
     snapshot_donors: dict[str, int] = field(default_factory=dict)  # node -> snapshot bytes
     shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
 
@@ -214,3 +219,31 @@ def members_left(membership: Membership, since: float) -> Exception | None:
             "to resume with the others"
         )
     return None
+
+
+class Background:
+    """A listener's snapshot, fetched on local rank 0 in the background while it listens:
+    the members' first checkpoint newer than `baseline` (the newest they offered before it
+    said ready, so one made at the boundary that admitted it, or later). `.got` once in,
+    `.failed` (why) if not."""
+
+    def __init__(self, membership: Membership, ckpt_dir: Path, log: Log, shared: list[tuple]):
+        self.got: JoinRecord | None = None
+        self.failed: BaseException | None = None
+        self.baseline = _newest([u for _, u in membership.donors()], membership.token)
+        self._args = (membership, ckpt_dir, log, shared)
+        self._thread = threading.Thread(target=self._run, name="prime-join-snapshot", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        membership, ckpt_dir, log, shared = self._args
+        try:
+            self.got = fetch_members_state(
+                membership, ckpt_dir, log, newer_than=self.baseline, fresh=False, shared=shared
+            )
+        except BaseException as e:  # told to the listener at its next round
+            self.failed = e
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
