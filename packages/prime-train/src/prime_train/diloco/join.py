@@ -100,6 +100,12 @@ def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Jo
     record.bytes, record.seconds = got.bytes, got.seconds
     record.pending = None
     _load(run, outer, record)
+    mbps = got.bytes / 1e6 / got.seconds if got.seconds else float("inf")
+    run.log.info(
+        f"fetched the step-{got.snapshot_step} checkpoint from {got.donor} while listening: "
+        f"{got.bytes / 1e6:.2f} MB in {got.seconds:.2f} s ({mbps:.1f} MB/s), loaded in "
+        f"{record.load_seconds:.2f} s"
+    )
 
 
 def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
