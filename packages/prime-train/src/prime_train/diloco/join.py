@@ -51,15 +51,15 @@ from prime_train.diloco.catch_up import (
     on_primary,
     replay_fetched,
 )
-from prime_train.diloco.listen import Listener
+from prime_train.diloco.listen import Listener, admit_first
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
-    Background,
     JoinFailed,
     JoinRecord,
     fetch_members_state,
+    load_state,
     members_left,
     shared_tensors,
 )
@@ -89,33 +89,6 @@ def listening(outer: ElasticOuterStep) -> bool:
     )
 
 
-def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: JoinRecord) -> None:
-    """A listener's snapshot (`got`, fetched in the background) came: take what it says into
-    `record` and load it on every local rank."""
-    record.snapshot_step, record.donor, record.snapshot_donors = (
-        got.snapshot_step,
-        got.donor,
-        got.snapshot_donors,
-    )
-    record.bytes, record.seconds = got.bytes, got.seconds
-    record.pending = None
-    _load(run, outer, record)
-    mbps = got.bytes / 1e6 / got.seconds if got.seconds else float("inf")
-    run.log.info(
-        f"fetched the step-{got.snapshot_step} checkpoint from {got.donor} while listening: "
-        f"{got.bytes / 1e6:.2f} MB in {got.seconds:.2f} s ({mbps:.1f} MB/s), loaded in "
-        f"{record.load_seconds:.2f} s"
-    )
-
-
-def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
-    t = time.monotonic()
-    run.load(record.snapshot_step, outer)
-    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
-    record.step = record.snapshot_step
-    record.load_seconds += time.monotonic() - t
-
-
 def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: str) -> None:
     """Fetch and load a checkpoint newer than the record's snapshot (on every local rank)."""
     run.log.warn(f"{why}: fetching a newer checkpoint")
@@ -138,7 +111,7 @@ def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: 
     record.bytes += got.bytes
     record.seconds += got.seconds
     record.snapshots += 1
-    _load(run, outer, record)
+    load_state(run, outer, record)
 
 
 def catch_up(
@@ -251,7 +224,7 @@ def load_members_state(
     membership = run.placement.membership
     assert membership is not None and membership.joining
     if listening(outer) and not faults.waits_after_snapshot():
-        return _admit_first(run, outer, rejoined)
+        return admit_first(run, outer, rejoined)
     replay = replaying(outer)
     holder = Holder(membership) if replay and run.primary else None
     with contextlib.ExitStack() as stack:
@@ -268,7 +241,7 @@ def load_members_state(
             ),
         )
         record.rejoined = rejoined
-        _load(run, outer, record)
+        load_state(run, outer, record)
         if replay:
             faults.wait_after_snapshot(run.log, holder, outer.outer_steps)  # type: ignore[attr-defined]
         if replay and not listening(outer):  # (a listener fetches them while it listens)
@@ -292,32 +265,6 @@ def load_members_state(
             else ""
         )
         + "; ready, admitted at the members' next outer step"
-    )
-    return record
-
-
-def _admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
-    """A synchronous joiner says `ready()` at once: admitted at the members' next sync point,
-    it listens while its snapshot comes in the background (`diloco/listen.py`)."""
-    membership = run.placement.membership
-    assert membership is not None
-    record = JoinRecord(step=0, donor=None, bytes=0, seconds=0.0, rejoined=rejoined)
-    if run.primary:
-        record.holder = Holder(membership).__enter__()  # (`enter_running_job` ends it)
-        record.pending = Background(
-            membership,
-            run.ckpt_dir,
-            run.log,
-            shared_tensors(run.cfg.diloco.overlap),
-        )
-    else:
-        record.pending = True  # (local rank 0's fetch, told through `on_primary`)
-    outer.listen_first = True  # type: ignore[attr-defined]
-    faults.delay_first_ready(run.log)
-    membership.mesh.ready()
-    run.log.info(
-        "joining a running job: ready at once, admitted at the members' next sync point; the "
-        "snapshot comes in the background while this node listens"
     )
     return record
 

@@ -44,15 +44,23 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prime_train.diloco.catch_up import Fetched, fetch_entries, on_primary, replay_fetched
+from prime_train import faults
+from prime_train.diloco.catch_up import (
+    Fetched,
+    Holder,
+    fetch_entries,
+    on_primary,
+    replay_fetched,
+)
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.replay_log import Entry
+from prime_train.diloco.snapshot import Background, JoinRecord, load_state, shared_tensors
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
     from prime_train.diloco.outer_step import Diloco
-    from prime_train.diloco.snapshot import JoinRecord
     from prime_train.run import Run
+    from prime_train.seam import ElasticOuterStep
 
 
 @dataclass
@@ -194,8 +202,6 @@ class Listener:
         """The snapshot came: load it (every local rank); a backlog between it and the first
         round kept comes next, in the background (none when the snapshot is of the boundary
         that admitted this node, or later)."""
-        from prime_train.diloco.join import load_snapshot  # (join imports this module)
-
         load_snapshot(self.run, self.outer, self.record, snapshot)
         self.loaded, self.mine = True, self.outer.outer_steps
         first = self.kept[0].outer_step if self.kept else self.count + 1
@@ -243,3 +249,48 @@ class Listener:
         if self.record.holder is not None:
             self.record.holder.first = self.count + 1  # nothing older is needed any more
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: JoinRecord) -> None:
+    """A listener's snapshot (`got`, fetched in the background) came: take what it says into
+    `record` and load it on every local rank."""
+    record.snapshot_step, record.donor, record.snapshot_donors = (
+        got.snapshot_step,
+        got.donor,
+        got.snapshot_donors,
+    )
+    record.bytes, record.seconds = got.bytes, got.seconds
+    record.pending = None
+    load_state(run, outer, record)
+    mbps = got.bytes / 1e6 / got.seconds if got.seconds else float("inf")
+    run.log.info(
+        f"fetched the step-{got.snapshot_step} checkpoint from {got.donor} while listening: "
+        f"{got.bytes / 1e6:.2f} MB in {got.seconds:.2f} s ({mbps:.1f} MB/s), loaded in "
+        f"{record.load_seconds:.2f} s"
+    )
+
+
+def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
+    """A synchronous joiner says `ready()` at once: admitted at the members' next sync point,
+    it listens while its snapshot comes in the background (`diloco/listen.py`)."""
+    membership = run.placement.membership
+    assert membership is not None
+    record = JoinRecord(step=0, donor=None, bytes=0, seconds=0.0, rejoined=rejoined)
+    if run.primary:
+        record.holder = Holder(membership).__enter__()  # (`enter_running_job` ends it)
+        record.pending = Background(
+            membership,
+            run.ckpt_dir,
+            run.log,
+            shared_tensors(run.cfg.diloco.overlap),
+        )
+    else:
+        record.pending = True  # (local rank 0's fetch, told through `on_primary`)
+    outer.listen_first = True  # type: ignore[attr-defined]
+    faults.delay_first_ready(run.log)
+    membership.mesh.ready()
+    run.log.info(
+        "joining a running job: ready at once, admitted at the members' next sync point; the "
+        "snapshot comes in the background while this node listens"
+    )
+    return record

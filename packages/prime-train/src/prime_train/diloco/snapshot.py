@@ -18,13 +18,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prime_ckpt import PeerError, ask_donors, fetch_checkpoint, resolve_token, step_dirname
 from prime_mesh import RunCompleted
 from prime_train.diloco.membership import Membership
 from prime_train.metrics import Log
 from prime_train.rundir import RunDirError
+
+if TYPE_CHECKING:
+    from prime_train.run import Run
+    from prime_train.seam import ElasticOuterStep
 
 JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's (fresh) checkpoint
 POLL_S = 0.2
@@ -247,3 +251,13 @@ class Background:
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+
+def load_state(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
+    """Load the record's snapshot on this local rank; the data positions are the members'
+    shared ones (none of the donor's own reads)."""
+    t = time.monotonic()
+    run.load(record.snapshot_step, outer)
+    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
+    record.step = record.snapshot_step
+    record.load_seconds += time.monotonic() - t
