@@ -106,11 +106,13 @@ def fetch_members_state(
     newer_than: int | None = None,
     fresh: bool = True,
     shared: list[tuple] | None = None,
+    one_donor: bool = False,
 ) -> JoinRecord:
     """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
     than `newer_than` if given, or with `fresh` newer than the newest one offered when it
     started asking (made at a boundary after this node registered), then fetch it from every
-    member at once (`shared`: the tensors they hold alike; default: synchronous rounds')."""
+    member at once (`shared`: the tensors they hold alike; default: synchronous rounds'), or
+    with `one_donor` from the one offering the newest (another if it dies)."""
     token = membership.token
     began = time.monotonic()  # the join's timeline starts here, waiting for a donor included
     deadline = began + JOIN_TIMEOUT_S
@@ -156,7 +158,7 @@ def fetch_members_state(
     for _ in range(3 if fresh else 1):  # the donors made a newer checkpoint meanwhile: that one
         step = None
         for _attempt in range(2):  # a second time with the members left, if that failed
-            donors = _newest_first(membership.donors(), token)
+            donors = _newest_first(membership.donors(), token)[: 1 if one_donor else None]
             names = {url.rstrip("/"): node_id for node_id, url in donors}
             if not donors:
                 break
@@ -228,8 +230,10 @@ def members_left(membership: Membership, since: float) -> Exception | None:
 class Background:
     """A listener's snapshot, fetched on local rank 0 in the background while it listens:
     the members' first checkpoint newer than `baseline` (the newest they offered before it
-    said ready, so one made at the boundary that admitted it, or later). `.got` once in,
-    `.failed` (why) if not."""
+    said ready, so one made at the boundary that admitted it, or later). From one donor at a
+    time: at its cap (about half a link) the all-reduce the listener takes part in keeps the
+    other half of its link (several donors at once filled a 2 Mbit/s link and timed its
+    all-reduce out). `.got` once in, `.failed` (why) if not."""
 
     def __init__(self, membership: Membership, ckpt_dir: Path, log: Log, shared: list[tuple]):
         self.got: JoinRecord | None = None
@@ -242,9 +246,8 @@ class Background:
     def _run(self) -> None:
         membership, ckpt_dir, log, shared = self._args
         try:
-            self.got = fetch_members_state(
-                membership, ckpt_dir, log, newer_than=self.baseline, fresh=False, shared=shared
-            )
+            self.got = fetch_members_state(membership, ckpt_dir, log, newer_than=self.baseline,
+                                           fresh=False, shared=shared, one_donor=True)  # fmt: skip
         except BaseException as e:  # told to the listener at its next round
             self.failed = e
 
