@@ -16,8 +16,9 @@ round on it listens:
   mismatch), and keeps each committed round's update, the same bits every member applies
   (what their log entry of that round holds), on disk (packed, ~1.25 B/param per round;
   uint8 compression), with the round's counted reads and members (a few numbers, in RAM).
-- Meanwhile local rank 0 fetches the snapshot in the background (`snapshot.Background`): the
-  members' first checkpoint newer than the newest they offered before it said ready. The
+- Meanwhile local rank 0 fetches the snapshot in the background (`snapshot.Background`), from
+  one donor at a time (at its cap, about half a link, the all-reduce keeps the other half):
+  the members' first checkpoint newer than the newest they offered before it said ready. The
   members checkpoint at the round that admitted a node (`Diloco.joiners_waiting`), so the
   snapshot is of that boundary (or the one before): the rounds between it and the first round
   kept, the *backlog*, are none or one, fetched from the members' update logs (held on them).
