@@ -7,8 +7,13 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    (`Membership.join`): the members never wait for it.
 2. Every member keeps the committed updates of its last `diloco.replay_rounds` rounds (its
    update log, `diloco/replay_log.py`) and serves them beside its checkpoints; while a node
-   waits, members also checkpoint at each outer boundary (the outer step's `joiners_waiting`).
-3. Fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
+   waits, and at a round that admitted one, members also checkpoint at the outer boundary
+   (the outer step's `joiners_waiting`).
+3. Synchronous DiLoCo (`listening`): the joiner says `ready()` at once and listens from the
+   members' next sync point while its snapshot comes in the background (`listen.admit_first`,
+   `diloco/listen.py`); steps 3-4 below are then the listener's, done in the background and
+   at the round its snapshot is in. Otherwise (delayed, or catching up again after a failed
+   listen): fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
    newest checkpoint (`prime_ckpt.fetch_from_peer`: verified, resumable, under the donor's
    serving cap) at its own pace, however many rounds that takes, into its own checkpoint
    folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
@@ -20,13 +25,12 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    checkpoint, or a hash that differs, takes a newer checkpoint (a second mismatch exits with
    a line naming it).
 5. Enter (`enter_running_job`): the members admit it at their next sync point. The joiner takes
-   its first round at once (the outer step's `enter`): its model equals the outer weights it
-   reached, so its pseudo-gradient is zero; the members average over the nodes that
+   its first round at once (the outer step's `enter`), contributing nothing; the members average over the nodes that
    contributed, and all apply the same update to the same outer weights: the same bits
-   everywhere. A joiner admitted late (the members committed meanwhile) listens
-   (`diloco/listen.py`, the outer step's `listen_late`): a member contributing nothing, it
-   keeps each round's update while the backlog comes in the background, then replays both and
-   enters with the members' outer weights; the members never wait for its transfer. A delayed
+   everywhere. A listener (admitted before its snapshot, or late after loading one) stays a
+   member contributing nothing (`diloco/listen.py`, the outer step's `listen_late`): it keeps
+   each round's update while its snapshot and backlog come in the background, then replays
+   them and enters with the members' outer weights; the members never wait for its transfer. A delayed
    joiner instead replays the rounds it missed at once, as a member, and takes the round with
    them (`replay_in_place`, the outer step's `late_catch_up`). If either cannot, it leaves,
    registers again, replays the rounds since and asks again (`JoinedLate` only after
@@ -277,8 +281,7 @@ def _catch_up_again(
     membership = run.placement.membership
     assert membership is not None
     membership.close()
-    if record.pending is not None:  # (a listener whose snapshot never came: a newer one)
-        record.pending = None
+    record.pending = None  # (a listener whose snapshot never came: it takes a newer one)
     membership = register_again(run, late)
     run.placement.membership = membership
     outer.reattach(membership.mesh)

@@ -82,6 +82,8 @@ class JoinRecord:
 
 def _newest(urls: list[str], token: str | None) -> int | None:
     """The newest step any of `urls` offers (None: none offers one yet)."""
+    if not urls:
+        return None
     try:
         return max(o.step for o in ask_donors(urls, resolve_token(token), 10.0))
     except PeerError:
