@@ -307,7 +307,7 @@ def _end_hold(record: JoinRecord) -> None:
 
 def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | None:
     """`outer.enter(step)`, then, while it only listened (`diloco/listen.py`), the members'
-    next rounds, trained alongside them, until it caught up; None when the run completed
+    next rounds (no training: straight to each sync point), until it caught up; None when the run completed
     meanwhile (or the outer step applied nothing)."""
     report = outer.enter(step)
     total = run.cfg.train.steps
@@ -315,7 +315,10 @@ def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | N
         done = outer.listener.step  # type: ignore[attr-defined]
         if done >= total:
             outer.listener.close()  # type: ignore[attr-defined]
-            run.log.info("the run completed while this node listened; nothing to enter")
+            run.log.info(
+                "the run completed while this node waited to join (it listened to the members' "
+                "last rounds); nothing to enter"
+            )
             return None
         # no training: straight to the next sync point, which its arrival does not time
         report = outer.enter(min(outer.round_end(done), total))

@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from prime_mesh import RunCompleted
 from prime_train import faults
 from prime_train.diloco.catch_up import (
     Fetched,
@@ -55,7 +56,13 @@ from prime_train.diloco.catch_up import (
 )
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.replay_log import Entry
-from prime_train.diloco.snapshot import Background, JoinRecord, load_state, shared_tensors
+from prime_train.diloco.snapshot import (
+    Background,
+    JoinFailed,
+    JoinRecord,
+    load_state,
+    shared_tensors,
+)
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
@@ -294,4 +301,34 @@ def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> Join
         "joining a running job: ready at once, admitted at the members' next sync point; the "
         "snapshot comes in the background while this node listens"
     )
+    _wait_admitted(run, record)
     return record
+
+
+def _wait_admitted(run: Run, record: JoinRecord) -> None:
+    """Until the coordinator lists this node as a member (the members' next sync point), or
+    the snapshot's fetch finds the members gone: `RunCompleted` (exit 0) when they finished
+    the run, else `JoinFailed` (the mesh's own wait for admission would last `join_timeout`)."""
+    membership = run.placement.membership
+    assert membership is not None
+    me = membership.mesh.node_id
+
+    def ask() -> tuple[str, str] | None:
+        pending = record.pending
+        failed = getattr(pending, "failed", None)
+        if isinstance(failed, RunCompleted | JoinFailed):
+            return type(failed).__name__, str(failed)
+        try:
+            members = membership.mesh.members()
+        except Exception:  # the coordinator briefly away: ask again
+            return None
+        return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
+                                     for m in members) else None  # fmt: skip
+
+    while (got := on_primary(run, ask)) is None:
+        time.sleep(0.2)
+    kind, why = got
+    if kind == "RunCompleted":
+        raise RunCompleted(why)
+    if kind == "JoinFailed":
+        raise JoinFailed(why)
