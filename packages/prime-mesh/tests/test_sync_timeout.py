@@ -74,6 +74,21 @@ def test_a_member_stuck_before_the_sync_point_is_left_out_after_the_timeout():
     assert _replies(n["a"][1], 8)[0]["epoch"]["epoch"] == 2
 
 
+def test_a_listener_arriving_a_round_early_does_not_start_the_clock():
+    clock = FakeClock()
+    m = Membership(min_nodes=3, clock=clock)
+    n = _form(m, "abc", sync_timeout=5.0)
+    node, conn = n["c"]  # a listening joiner: at the sync point long before the others
+    m.sync(node, 0, conn, 7, {"epoch": m.epoch, "admit": True, "listening": True})
+    _beat(m, clock, n, 20.0)
+    assert m.epoch == 1 and len(m.members) == 3  # nobody left out for its early arrival
+    _sync(m, n["a"])  # the first member starts the clock
+    _beat(m, clock, n, 2.0)
+    _sync(m, n["b"])
+    for k in "abc":
+        assert _replies(n[k][1], 7)[0]["epoch"]["epoch"] == 1
+
+
 def test_several_late_members_leave_in_one_epoch():
     clock = FakeClock()
     m = Membership(min_nodes=4, clock=clock)

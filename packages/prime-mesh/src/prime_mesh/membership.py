@@ -198,7 +198,8 @@ class Membership:
             conn.send(self._reply(req, epoch=self.epoch_info()))
             return
         self._barrier[(node.key, lr)] = (conn, req, bool(msg.get("admit")), bool(msg.get("failed")))
-        self.waits.arrived(self.clock())
+        if not msg.get("listening"):  # a listener may come a round early: not its clock
+            self.waits.arrived(self.clock())
         self._check_barrier()
 
     def vote(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:

@@ -162,7 +162,7 @@ class ElasticDeviceMesh:
         return self._session.host
 
     # ---- membership ----------------------------------------------------------------------
-    def maybe_reinit_global_pg(self, admit_joiners: bool = True) -> bool:
+    def maybe_reinit_global_pg(self, admit_joiners: bool = True, listening: bool = False) -> bool:
         """Sync point (call on every node): drop dead nodes, admit joiners, rebuild the group.
 
         Blocks until every member reached its sync point (a node that died meanwhile is evicted
@@ -176,9 +176,14 @@ class ElasticDeviceMesh:
 
         A member that lost the coordinator reconnects here (see the class doc) and returns
         True with the re-formed group.
+
+        `listening`: this member arrives without work of its own to bring (a joiner that only
+        listens, see prime_train's `diloco/listen.py`), possibly a whole round before the
+        others: its arrival does not start the coordinator's sync-timeout clock (the first
+        other member's does), so it never gets the members evicted for being "late".
         """
         try:
-            return self._sync_point(admit_joiners)
+            return self._sync_point(admit_joiners, listening)
         except CoordinatorLost as e:
             if not self._recoverable(e):
                 raise
@@ -210,7 +215,7 @@ class ElasticDeviceMesh:
             )
         self._outer = (outer_step, outer_hash)
 
-    def _sync_point(self, admit_joiners: bool) -> bool:
+    def _sync_point(self, admit_joiners: bool, listening: bool = False) -> bool:
         self._check()
         new = False
         if self._epoch is None:
@@ -233,6 +238,7 @@ class ElasticDeviceMesh:
                 "epoch": self._epoch.number,
                 "admit": bool(admit_joiners),
                 "failed": self._suspect,
+                "listening": bool(listening),
             },
             timeout=self.request_bound,
             what="the coordinator to answer the sync point",

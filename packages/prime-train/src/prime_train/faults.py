@@ -105,6 +105,12 @@ _wait_after_snapshot = [os.environ.get(WAIT_AFTER_SNAPSHOT_ENV)]  # used up by t
 NOTHING_HELD = 10**9  # an outer step no run reaches: a hold from there keeps no entry
 
 
+def waits_after_snapshot() -> bool:
+    """Whether the `wait_after_snapshot` hook is still to come (a joiner then fetches its
+    snapshot before it says ready, the path it takes again after a failed listen)."""
+    return bool(_wait_after_snapshot[0])
+
+
 def wait_after_snapshot(log: Log | None, holder: Any, outer_step: int) -> None:
     """`PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT`: after the first snapshot (of outer step
     `outer_step`), move the joiner's hold (`catch_up.Holder`, None on other local ranks) past

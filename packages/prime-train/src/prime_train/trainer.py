@@ -197,7 +197,9 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
         log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
     if start >= cfg.train.steps:
         log.info(f"the run is already complete ({start}/{cfg.train.steps} steps); nothing to do")
-    run.metrics.open(start)
+    # (a joiner admitted before its snapshot came keeps every row of an earlier life: all
+    # precede where the members are)
+    run.metrics.open(cfg.train.steps if record is not None and record.pending else start)
     # (a joiner that fetched the final checkpoint has nothing to enter: the members finished,
     # and their next sync point, where it would be admitted, never comes)
     if record is not None and isinstance(outer, ElasticOuterStep) and start < cfg.train.steps:

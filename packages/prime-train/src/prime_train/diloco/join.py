@@ -7,8 +7,13 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    (`Membership.join`): the members never wait for it.
 2. Every member keeps the committed updates of its last `diloco.replay_rounds` rounds (its
    update log, `diloco/replay_log.py`) and serves them beside its checkpoints; while a node
-   waits, members also checkpoint at each outer boundary (the outer step's `joiners_waiting`).
-3. Fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
+   waits, and at a round that admitted one, members also checkpoint at the outer boundary
+   (the outer step's `joiners_waiting`).
+3. Synchronous DiLoCo (`listening`): the joiner says `ready()` at once and listens from the
+   members' next sync point while its snapshot comes in the background (`listen.admit_first`,
+   `diloco/listen.py`); steps 3-4 below are then the listener's, done in the background and
+   at the round its snapshot is in. Otherwise (delayed, or catching up again after a failed
+   listen): fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
    newest checkpoint (`prime_ckpt.fetch_from_peer`: verified, resumable, under the donor's
    serving cap) at its own pace, however many rounds that takes, into its own checkpoint
    folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
@@ -20,13 +25,12 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    checkpoint, or a hash that differs, takes a newer checkpoint (a second mismatch exits with
    a line naming it).
 5. Enter (`enter_running_job`): the members admit it at their next sync point. The joiner takes
-   its first round at once (the outer step's `enter`): its model equals the outer weights it
-   reached, so its pseudo-gradient is zero; the members average over the nodes that
+   its first round at once (the outer step's `enter`), contributing nothing; the members average over the nodes that
    contributed, and all apply the same update to the same outer weights: the same bits
-   everywhere. A joiner admitted late (the members committed meanwhile) listens
-   (`diloco/listen.py`, the outer step's `listen_late`): a member contributing nothing, it
-   keeps each round's update while the backlog comes in the background, then replays both and
-   enters with the members' outer weights; the members never wait for its transfer. A delayed
+   everywhere. A listener (admitted before its snapshot, or late after loading one) stays a
+   member contributing nothing (`diloco/listen.py`, the outer step's `listen_late`): it keeps
+   each round's update while its snapshot and backlog come in the background, then replays
+   them and enters with the members' outer weights; the members never wait for its transfer. A delayed
    joiner instead replays the rounds it missed at once, as a member, and takes the round with
    them (`replay_in_place`, the outer step's `late_catch_up`). If either cannot, it leaves,
    registers again, replays the rounds since and asks again (`JoinedLate` only after
@@ -51,7 +55,7 @@ from prime_train.diloco.catch_up import (
     on_primary,
     replay_fetched,
 )
-from prime_train.diloco.listen import Listener, empty_round
+from prime_train.diloco.listen import Listener, admit_first
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
@@ -59,6 +63,7 @@ from prime_train.diloco.snapshot import (
     JoinFailed,
     JoinRecord,
     fetch_members_state,
+    load_state,
     members_left,
     shared_tensors,
 )
@@ -90,14 +95,6 @@ def listening(outer: ElasticOuterStep) -> bool:
     )
 
 
-def _load(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
-    t = time.monotonic()
-    run.load(record.snapshot_step, outer)
-    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
-    record.step = record.snapshot_step
-    record.load_seconds += time.monotonic() - t
-
-
 def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: str) -> None:
     """Fetch and load a checkpoint newer than the record's snapshot (on every local rank)."""
     run.log.warn(f"{why}: fetching a newer checkpoint")
@@ -120,7 +117,7 @@ def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: 
     record.bytes += got.bytes
     record.seconds += got.seconds
     record.snapshots += 1
-    _load(run, outer, record)
+    load_state(run, outer, record)
 
 
 def catch_up(
@@ -232,6 +229,8 @@ def load_members_state(
     count, for a rejoin by itself."""
     membership = run.placement.membership
     assert membership is not None and membership.joining
+    if listening(outer) and not faults.waits_after_snapshot():
+        return admit_first(run, outer, rejoined)
     replay = replaying(outer)
     holder = Holder(membership) if replay and run.primary else None
     with contextlib.ExitStack() as stack:
@@ -248,7 +247,7 @@ def load_members_state(
             ),
         )
         record.rejoined = rejoined
-        _load(run, outer, record)
+        load_state(run, outer, record)
         if replay:
             faults.wait_after_snapshot(run.log, holder, outer.outer_steps)  # type: ignore[attr-defined]
         if replay and not listening(outer):  # (a listener fetches them while it listens)
@@ -284,6 +283,7 @@ def _catch_up_again(
     membership = run.placement.membership
     assert membership is not None
     membership.close()
+    record.pending = None  # (a listener whose snapshot never came: it takes a newer one)
     membership = register_again(run, late)
     run.placement.membership = membership
     outer.reattach(membership.mesh)
@@ -309,7 +309,7 @@ def _end_hold(record: JoinRecord) -> None:
 
 def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | None:
     """`outer.enter(step)`, then, while it only listened (`diloco/listen.py`), the members'
-    next rounds, trained alongside them, until it caught up; None when the run completed
+    next rounds (no training: straight to each sync point), until it caught up; None when the run completed
     meanwhile (or the outer step applied nothing)."""
     report = outer.enter(step)
     total = run.cfg.train.steps
@@ -317,11 +317,13 @@ def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | N
         done = outer.listener.step  # type: ignore[attr-defined]
         if done >= total:
             outer.listener.close()  # type: ignore[attr-defined]
-            run.log.info("the run completed while this node listened; nothing to enter")
+            run.log.info(
+                "the run completed while this node waited to join (it listened to the members' "
+                "last rounds); nothing to enter"
+            )
             return None
-        end = min(outer.round_end(done), total)
-        empty_round(run, done, end)
-        report = outer.enter(end)
+        # no training: straight to the next sync point, which its arrival does not time
+        report = outer.enter(min(outer.round_end(done), total))
     return report
 
 
@@ -400,6 +402,7 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
             "late_admissions": record.late,
             "listened": record.listened,
             "listened_fetching": record.listened_fetching,
+            "snapshot_rounds": record.snapshot_rounds,
             "backlog_seconds": record.backlog_seconds,
             "admitted_seconds": admitted,
             **({"rejoined": record.rejoined} if record.rejoined else {}),

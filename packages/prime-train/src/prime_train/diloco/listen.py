@@ -1,29 +1,40 @@
-"""A joiner admitted late listens: it is a member that contributes nothing until it holds the
-rounds it missed, so the members never wait for its transfer (synchronous DiLoCo only).
+"""A joiner listens: a member that contributes nothing until it holds the run's state, so the
+members never wait for its transfer (synchronous DiLoCo only).
 
-Admitted `behind` rounds after the state it loaded (the members committed meanwhile), the
-joiner does not fetch those rounds' entries while the members wait at their next sync point:
+A synchronous joiner says `ready()` as soon as it registered (`diloco/join.py`): the members
+admit it at their next sync point, before its snapshot (their checkpoint) arrives. From that
+round on it listens:
 
-- it stays a member that contributes nothing. Each round it trains as the members do (so it
-  reaches their sync point when they do: arriving a whole round early would start the
-  coordinator's clock on them), from its own outer weights; its pseudo-gradient is zeroed and
-  its reads count as nothing (the exact header: not a contributor, and the members' outer
-  step count, so nobody sees a mismatch). It takes part in the all-reduce and keeps the
-  round's committed update, the same bits every member applies (what their log entry of that
-  round holds), on disk (packed, ~1.25 B/param), with the round's counted reads and members;
-- meanwhile local rank 0 fetches the backlog, the entries between its state and its
-  admission, from the donors in the background (held on them, under their serving cap), one
-  download at a time: with the cap at about half a link, the all-reduce keeps the other half
-  of the joiner's link (several at once starved it: measured, members' rounds 2.5x longer);
-- at the end of the first round after the backlog is in, it replays the backlog (each entry
-  checked against the members' hash), then the rounds it kept, in order, restores the data
-  positions (the backlog's last `shared`, then each kept round's counted reads), and applies
-  this round's average with the members: its outer weights are theirs, bit for bit, and it
-  contributes from the next round.
+- It does not train and reads nothing. Each round it goes straight to the next sync point,
+  marked `listening` (prime-mesh): arriving up to a round before the members, it must not
+  start the coordinator's sync-timeout clock (the first member's arrival does), else the
+  members would be left out for being "late". It waits there at most the mesh's
+  `request_bound` (the larger of `sync_timeout` and 600 s, plus a heartbeat timeout): rounds
+  longer than that need a larger `mesh.sync_timeout`.
+- It takes part in the all-reduce with a zeroed pseudo-gradient, its reads counting as nothing
+  (the exact header: not a contributor, and the members' outer step count, so nobody sees a
+  mismatch), and keeps each committed round's update, the same bits every member applies
+  (what their log entry of that round holds), on disk (packed, ~1.25 B/param per round;
+  uint8 compression), with the round's counted reads and members (a few numbers, in RAM).
+- Meanwhile local rank 0 fetches the snapshot in the background (`snapshot.Background`), from
+  one donor at a time (at its cap, about half a link, the all-reduce keeps the other half):
+  the members' first checkpoint newer than the newest they offered before it said ready. The
+  members checkpoint at the round that admitted a node (`Diloco.joiners_waiting`), so the
+  snapshot is of that boundary (or the one before): the rounds between it and the first round
+  kept, the *backlog*, are none or one, fetched from the members' update logs (held on them).
+- At the end of the first round after the snapshot (and backlog) is in, every local rank
+  loads the snapshot, replays the backlog (each entry checked against the members' hash),
+  then the kept rounds after the snapshot, restores the data positions (the snapshot's, or the
+  backlog's last `shared`, then each kept round's counted reads), and applies this round's
+  average with the members: its outer weights are theirs, bit for bit (the members' next
+  rows' `outer_sha256` show it), and it contributes from the next round.
 
-Its link carries the members' own all-reduce traffic plus the backlog once, however long an
-entry takes to move. If the backlog cannot be had (pruned, a hash that differs), it leaves
-with `JoinedLate` and catches up again as a waiting node (`diloco/join.py`).
+So its link carries the snapshot once beside the members' all-reduce traffic, however many
+rounds that takes; the kept rounds cost ~1.25 B/param each on its disk for the rounds the
+snapshot takes. A joiner admitted late after loading a snapshot first (the path it takes
+again after a failed listen) listens the same way while its backlog comes. If the snapshot or
+backlog cannot be had (every donor gone, pruned, a hash that differs), it leaves with
+`JoinedLate` and catches up again as a waiting node (`diloco/join.py`).
 """
 
 from __future__ import annotations
@@ -34,15 +45,30 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prime_train.diloco.catch_up import Fetched, fetch_entries, on_primary, replay_fetched
+from prime_mesh import RunCompleted
+from prime_train import faults
+from prime_train.diloco.catch_up import (
+    Fetched,
+    Holder,
+    fetch_entries,
+    on_primary,
+    replay_fetched,
+)
 from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.replay_log import Entry
+from prime_train.diloco.snapshot import (
+    Background,
+    JoinFailed,
+    JoinRecord,
+    load_state,
+    shared_tensors,
+)
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
     from prime_train.diloco.outer_step import Diloco
-    from prime_train.diloco.snapshot import JoinRecord
     from prime_train.run import Run
+    from prime_train.seam import ElasticOuterStep
 
 
 @dataclass
@@ -53,40 +79,59 @@ class _Kept:
 
 
 class Listener:
-    """One late joiner's listening, from its admission round until it has caught up (module
-    doc). Made by the outer step's `listen_late` hook; `listened` is called each round."""
+    """One joiner's listening, from its admission round until it has caught up (module doc).
+    Made by the outer step's `listen_late` hook; `listened` is called each round."""
 
     def __init__(self, run: Run, outer: Diloco, record: JoinRecord, mine: int, behind: int):
         """`mine`: the outer steps this node applied; `behind`: how many more the members
-        applied before the round it was admitted to."""
+        applied before the round it was admitted to. With `record.pending` its snapshot is
+        still under way (admitted before it came): `mine` means nothing until it is loaded."""
         self.run, self.outer, self.record = run, outer, record
         self.mine, self.count = mine, mine + behind  # `count`: the members', for the header
+        self.loaded = record.pending is None  # its state is a snapshot's (and backlog's)
         self.step = 0  # inner step of the last round it listened to
         self.kept: list[_Kept] = []
+        self.applied = 0  # kept rounds applied when it caught up (not already in the snapshot)
         self.folder = run.ckpt_dir / f"listened-r{outer.local_rank}"  # this rank's shards
         self.backlog = run.ckpt_dir / "replay-in"
         self.t0 = time.monotonic()
-        record.late += 1
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(parents=True, exist_ok=True)
-        if outer.data is not None:  # slots to read, so that its rounds take the members' time
-            outer.data.reassign(outer.mesh.global_members)
         self._got: Fetched | None = None
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
-        if run.primary:
-            holder = record.holder
-            if holder is not None:  # pin the backlog on every donor until it is in
-                holder.first = mine + 1
-                holder.renew()
-            self._thread = threading.Thread(
-                target=self._fetch, args=(mine + behind,), name="prime-join-backlog", daemon=True
+        self._needed = False  # a backlog between its state and the first kept round
+        if self.loaded:
+            record.late += 1
+            self._start_backlog(mine + behind)
+            run.log.info(
+                f"admitted {behind} round(s) late: listening (a member contributing nothing) "
+                f"while outer steps {mine + 1}..{mine + behind} come from the donors in the "
+                "background"
             )
-            self._thread.start()
-        run.log.info(
-            f"admitted {behind} round(s) late: listening (a member contributing nothing) while "
-            f"outer steps {mine + 1}..{mine + behind} come from the donors in the background"
+        else:
+            if record.holder is not None:  # its snapshot will be of a boundary from here on
+                record.holder.first = max(0, self.count - 2)
+                record.holder.renew()
+            run.log.info(
+                f"admitted before its snapshot arrived: listening (a member contributing "
+                f"nothing) from outer step {self.count + 1} while the snapshot comes in the "
+                "background"
+            )
+
+    def _start_backlog(self, last: int) -> None:
+        """Fetch outer steps mine+1..last in the background (local rank 0)."""
+        self._needed = True
+        if not self.run.primary:
+            return
+        holder = self.record.holder
+        if holder is not None:  # pin the backlog on every donor until it is in
+            holder.first = self.mine + 1
+            holder.renew()
+        self._thread = threading.Thread(
+            target=self._fetch, args=(last,), name="prime-join-backlog", daemon=True
         )
+        self._thread.start()
 
     def _fetch(self, last: int) -> None:
         """Local rank 0, in the background: every local rank's entries of the backlog, the
@@ -94,6 +139,7 @@ class Listener:
         membership = self.run.placement.membership
         assert membership is not None
         want = list(range(self.mine + 1, last + 1))
+        t0 = time.monotonic()
         try:
             # one download at a time: the all-reduce it takes part in keeps half its link
             got = fetch_entries(membership, self.mine, self.run.placement.world_size,
@@ -107,44 +153,73 @@ class Listener:
                 f"{want[0]}..{want[-1]} (pruned, or a donor left)"
             )
             return
-        self.record.backlog_seconds = time.monotonic() - self.t0
+        self.record.backlog_seconds = time.monotonic() - t0
         self._got = got
 
-    def _state(self) -> tuple[bool, str | None]:
-        """(backlog in, why it failed), agreed by the node's local ranks."""
+    def _state(self) -> tuple[bool, str | None, Any]:
+        """(backlog in, why it failed, the snapshot's record once in), agreed by the node's
+        local ranks."""
 
-        def ask() -> tuple[bool, str | None]:
-            done = self._thread is not None and not self._thread.is_alive()
-            return done, self._failed
+        def ask() -> tuple[bool, str | None, Any]:
+            pending = self.record.pending
+            if pending is not None and not self.loaded:
+                if pending.failed is not None:
+                    return False, f"fetching the snapshot failed: {pending.failed}", None
+                return False, None, pending.got if pending.done else None
+            done = not self._needed or (self._thread is not None and not self._thread.is_alive())
+            return done, self._failed, None
 
         return on_primary(self.run, ask)
 
     def listened(self, got: Averaged, step: int) -> bool:
         """A committed round this node took part in without contributing (its average is in
-        the outer step's buffer): keep it (False), or, the backlog being in, catch up and let
+        the outer step's buffer): keep it (False), or, its state being in, catch up and let
         the round apply as the members' does (True). JoinedLate when it cannot catch up."""
         self.step = step
-        done, failed = self._state()
         self.record.listened += 1
+        average = self.outer.optimizer.pseudo_gradient.clone()  # loading and replaying reuse it
+        done, failed, snapshot = self._state()
+        if snapshot is not None:
+            self._load(snapshot)
+            done, failed, _ = self._state()
         if failed is not None:
             self.close()
             raise JoinedLate(failed)
-        if not done:
-            if self.record.listened > 1:  # (the backlog's fetch began with the first)
+        # (a snapshot of this very round: keep it, as it is in the snapshot already)
+        if not done or not self.loaded or self.mine > self.count:
+            if self.record.listened > 1:  # (the fetch began with the first)
                 self.record.listened_fetching += 1
+            if not self.loaded:
+                self.record.snapshot_rounds += 1
+            self.outer.optimizer.pseudo_gradient.copy_(average)
             self._keep(got)
-            self.outer.rollback_to_outer()  # it trains the next round from its own weights
+            self.outer.rollback_to_outer()  # its model goes back to its own outer weights
             return False
-        average = self.outer.optimizer.pseudo_gradient.clone()  # the replay reuses the buffer
         self._catch_up()
         self.outer.optimizer.pseudo_gradient.copy_(average)
         self.run.log.info(
-            f"caught up after listening to {self.record.listened} round(s): replayed outer "
-            f"steps {self.mine + 1}..{self.count} (backlog in {self.record.backlog_seconds:.1f} "
+            f"caught up after listening to {self.record.listened} round(s): from outer step "
+            f"{self.mine} replayed {self.record.replayed} logged and {self.applied} kept "
+            f"round(s) to outer step {self.count} (backlog in {self.record.backlog_seconds:.1f} "
             f"s, {self.record.listened_fetching} round(s) committed meanwhile) and contributes "
             "from the next round"
         )
         return True
+
+    def _load(self, snapshot: JoinRecord) -> None:
+        """The snapshot came: load it (every local rank); a backlog between it and the first
+        round kept comes next, in the background (none when the snapshot is of the boundary
+        that admitted this node, or later)."""
+        load_snapshot(self.run, self.outer, self.record, snapshot)
+        self.loaded, self.mine = True, self.outer.outer_steps
+        first = self.kept[0].outer_step if self.kept else self.count + 1
+        if self.mine + 1 < first:
+            self._start_backlog(first - 1)
+        self.run.log.info(
+            f"snapshot of outer step {self.mine} in after listening to {self.record.listened} "
+            f"round(s); {max(0, first - 1 - self.mine)} logged round(s) to fetch before the "
+            f"{len(self.kept)} kept"
+        )
 
     def _keep(self, got: Averaged) -> None:
         """This round's update on disk (each local rank its shard), the rest in memory."""
@@ -155,16 +230,21 @@ class Listener:
         self.kept.append(_Kept(self.count, got.consumed, tuple(self.outer.mesh.global_members)))
 
     def _catch_up(self) -> None:
-        """Replay the backlog (hash-checked), then the kept rounds; restore the data state."""
-        got = on_primary(self.run, lambda: self._got)
-        assert got is not None
-        t0 = time.monotonic() - got.seconds  # (the record's replay time: fetch and apply)
-        problem = replay_fetched(self.run, self.outer, self.record, got, self.backlog, t0)
-        if problem is not None:
-            self.close()
-            raise JoinedLate(f"replaying the rounds it missed failed: {problem}")
+        """Replay the backlog (hash-checked), then the kept rounds after the state; restore
+        the data state."""
+        if self._needed:
+            got = on_primary(self.run, lambda: self._got)
+            assert got is not None
+            t0 = time.monotonic() - got.seconds  # (the record's replay time: fetch and apply)
+            problem = replay_fetched(self.run, self.outer, self.record, got, self.backlog, t0)
+            if problem is not None:
+                self.close()
+                raise JoinedLate(f"replaying the rounds it missed failed: {problem}")
         data: Any = self.outer.data
         for kept in self.kept:
+            if kept.outer_step <= self.outer.outer_steps:  # already in its snapshot
+                continue
+            self.applied += 1
             path = self.folder / str(kept.outer_step)
             self.outer.apply_update(Entry.decode(path.read_bytes()).update)
             if data is not None and kept.consumed is not None:
@@ -179,9 +259,76 @@ class Listener:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def empty_round(run: Run, step: int, end: int) -> None:
-    """A listener's inner steps `step`+1..`end`, trained as the members train theirs (the
-    result is dropped: `enter` zeroes its pseudo-gradient), so that it reaches the next sync
-    point when they do."""
-    for s in range(step + 1, end + 1):
-        run.inner_step(s)
+def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: JoinRecord) -> None:
+    """A listener's snapshot (`got`, fetched in the background) came: take what it says into
+    `record` and load it on every local rank."""
+    record.snapshot_step, record.donor, record.snapshot_donors = (
+        got.snapshot_step,
+        got.donor,
+        got.snapshot_donors,
+    )
+    record.bytes, record.seconds = got.bytes, got.seconds
+    record.pending = None
+    load_state(run, outer, record)
+    mbps = got.bytes / 1e6 / got.seconds if got.seconds else float("inf")
+    run.log.info(
+        f"fetched the step-{got.snapshot_step} checkpoint from {got.donor} while listening: "
+        f"{got.bytes / 1e6:.2f} MB in {got.seconds:.2f} s ({mbps:.1f} MB/s), loaded in "
+        f"{record.load_seconds:.2f} s"
+    )
+
+
+def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
+    """A synchronous joiner says `ready()` at once: admitted at the members' next sync point,
+    it listens while its snapshot comes in the background (`diloco/listen.py`)."""
+    membership = run.placement.membership
+    assert membership is not None
+    record = JoinRecord(step=0, donor=None, bytes=0, seconds=0.0, rejoined=rejoined)
+    if run.primary:
+        record.holder = Holder(membership).__enter__()  # (`enter_running_job` ends it)
+        record.pending = Background(
+            membership,
+            run.ckpt_dir,
+            run.log,
+            shared_tensors(run.cfg.diloco.overlap),
+        )
+    else:
+        record.pending = True  # (local rank 0's fetch, told through `on_primary`)
+    outer.listen_first = True  # type: ignore[attr-defined]
+    faults.delay_first_ready(run.log)
+    membership.mesh.ready()
+    run.log.info(
+        "joining a running job: ready at once, admitted at the members' next sync point; the "
+        "snapshot comes in the background while this node listens"
+    )
+    _wait_admitted(run, record)
+    return record
+
+
+def _wait_admitted(run: Run, record: JoinRecord) -> None:
+    """Until the coordinator lists this node as a member (the members' next sync point), or
+    the snapshot's fetch finds the members gone: `RunCompleted` (exit 0) when they finished
+    the run, else `JoinFailed` (the mesh's own wait for admission would last `join_timeout`)."""
+    membership = run.placement.membership
+    assert membership is not None
+    me = membership.mesh.node_id
+
+    def ask() -> tuple[str, str] | None:
+        pending = record.pending
+        failed = getattr(pending, "failed", None)
+        if isinstance(failed, RunCompleted | JoinFailed):
+            return type(failed).__name__, str(failed)
+        try:
+            members = membership.mesh.members()
+        except Exception:  # the coordinator briefly away: ask again
+            return None
+        return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
+                                     for m in members) else None  # fmt: skip
+
+    while (got := on_primary(run, ask)) is None:
+        time.sleep(0.2)
+    kind, why = got
+    if kind == "RunCompleted":
+        raise RunCompleted(why)
+    if kind == "JoinFailed":
+        raise JoinFailed(why)

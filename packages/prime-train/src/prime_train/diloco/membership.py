@@ -98,11 +98,15 @@ class Membership:
         return cls(mesh, server, joining=joining, members_seen=live_members, token=token)
 
     def donors(self) -> list[tuple[str, str]]:
-        """(node_id, serve_url) of every member that serves its checkpoints, in rank order."""
+        """(node_id, serve_url) of every other member that serves its checkpoints, in rank
+        order (not this node: a listener is a member before it holds any state)."""
+        me = self.mesh.node_id
         return [
             (str(m["node_id"]), str(m["metadata"]["serve_url"]))
             for m in self.mesh.members()
-            if m.get("state") == "member" and (m.get("metadata") or {}).get("serve_url")
+            if m.get("state") == "member"
+            and (m.get("metadata") or {}).get("serve_url")
+            and m.get("node_id") != me
         ]
 
     def run_completed(self) -> bool:

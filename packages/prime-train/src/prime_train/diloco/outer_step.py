@@ -118,6 +118,8 @@ class Diloco:
         # or, synchronous only, listens (`diloco/listen.py`): (its count, behind) -> listener
         self.listen_late: Callable[[int, int], Any] | None = None
         self.listener: Any = None  # the listener while this joiner listens
+        self.listen_first = False  # admitted before its snapshot came: it listens at once
+        self.admitted_now = False  # this member's last round admitted a node (checkpoint)
         if mesh.state == "member":  # a joiner is not admitted before its first step
             self.rounds.last_epoch = mesh.epoch
             self.rounds.nodes_now = mesh.global_world_size
@@ -186,11 +188,17 @@ class Diloco:
                     self.part.pseudo_gradient.zero_()
                 before = members_before(self.mesh)
                 t_sync = time.monotonic()
-                regrouped = self.mesh.maybe_reinit_global_pg()
+                regrouped = (  # a listener may come a round early: not its clock
+                    self.mesh.maybe_reinit_global_pg(listening=True)
+                    if self.listener is not None
+                    else self.mesh.maybe_reinit_global_pg()
+                )
                 sync_seconds = time.monotonic() - t_sync
                 got = self.average(regrouped, contributing, reads)
                 if self.vote(got):
-                    if self.listener is None and got.late is not None and self.listen_late:
+                    late = got.late is not None or self.listen_first
+                    if self.listener is None and late and self.listen_late:
+                        self.listen_first = False
                         step += got.behind * self.period  # the members' round
                         self.listener = self.listen_late(self.outer_steps, got.behind)
                     if self.listener is not None:  # (its buffer holds the round's average)
@@ -205,8 +213,9 @@ class Diloco:
                     self.part.apply()
                     extra = self._commit_data(got.consumed, self.mesh.global_members)
                     seconds = time.monotonic() - t0
-                    extra = {**(extra or {}), **self.feedback.metrics(),
-                             **join_cost(self.mesh, before, sync_seconds),
+                    cost = join_cost(self.mesh, before, sync_seconds)
+                    self.admitted_now = bool(cost)  # (its snapshot: checkpoint this round)
+                    extra = {**(extra or {}), **self.feedback.metrics(), **cost,
                              **({"fragment": fragment} if self.fragments.count > 1 else {}),
                              **round_counts(self.round_inner_steps, self.data, got.consumed,
                                             reads if contributing and got.late is None
@@ -385,8 +394,9 @@ class Diloco:
     # -- membership -------------------------------------------------------------------------
 
     def joiners_waiting(self) -> bool:
-        """Whether a node is registered but not a member yet (see `round_log.joiners_waiting`)."""
-        return joiners_waiting(self.mesh, self.node_group)
+        """Whether a node is registered but not a member yet, or was admitted at this round's
+        sync point (see `round_log.joiners_waiting`)."""
+        return joiners_waiting(self.mesh, self.node_group, self.admitted_now)
 
     def rollback_to_outer(self) -> None:
         """Put the model back to the outer weights, the state every node shares since the last

@@ -67,12 +67,15 @@ def round_counts(
     }
 
 
-def joiners_waiting(mesh: ElasticDeviceMesh, node_group: dist.ProcessGroup | None) -> bool:
-    """Whether a node is registered but not a member yet (it needs the state of the round
-    that starts now: the loop then checkpoints; also when the coordinator cannot say).
-    The node's ranks answer alike."""
+def joiners_waiting(
+    mesh: ElasticDeviceMesh, node_group: dist.ProcessGroup | None, admitted_now: bool = False
+) -> bool:
+    """Whether a node is registered but not a member yet, or was admitted at this round's
+    sync point (`admitted_now`: a listener, `diloco/listen.py`, whose snapshot is the state
+    of the round that starts now). Either needs that state: the loop then checkpoints; also
+    when the coordinator cannot say. The node's ranks answer alike."""
     try:
-        mine = [any(m.get("state") != "member" for m in mesh.members())]
+        mine = [admitted_now or any(m.get("state") != "member" for m in mesh.members())]
     except Exception:  # the coordinator is briefly unreachable: checkpoint, in case
         mine = [True]
     if node_group is not None:

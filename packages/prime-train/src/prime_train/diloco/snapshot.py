@@ -14,16 +14,21 @@ checkpoint of the same step is taken, keeping the shared bytes already in.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prime_ckpt import PeerError, ask_donors, fetch_checkpoint, resolve_token, step_dirname
 from prime_mesh import RunCompleted
 from prime_train.diloco.membership import Membership
 from prime_train.metrics import Log
 from prime_train.rundir import RunDirError
+
+if TYPE_CHECKING:
+    from prime_train.run import Run
+    from prime_train.seam import ElasticOuterStep
 
 JOIN_TIMEOUT_S = 600.0  # the longest a joiner waits for a donor's (fresh) checkpoint
 POLL_S = 0.2
@@ -67,12 +72,18 @@ class JoinRecord:
     listened_fetching: int = 0  # of the later ones, rounds committed while its backlog came
     backlog_seconds: float = 0.0  # fetching the backlog in the background while listening
     holder: Any = field(default=None, repr=False, compare=False)  # catch_up.Holder, kept open
+    # admitted before its snapshot came (`diloco/listen.py`): the fetch under way on local
+    # rank 0 (`Background`), and rounds listened before the snapshot was in
+    pending: Any = field(default=None, repr=False, compare=False)
+    snapshot_rounds: int = 0
     snapshot_donors: dict[str, int] = field(default_factory=dict)  # node -> snapshot bytes
     shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
 
 
 def _newest(urls: list[str], token: str | None) -> int | None:
     """The newest step any of `urls` offers (None: none offers one yet)."""
+    if not urls:
+        return None
     try:
         return max(o.step for o in ask_donors(urls, resolve_token(token), 10.0))
     except PeerError:
@@ -97,11 +108,13 @@ def fetch_members_state(
     newer_than: int | None = None,
     fresh: bool = True,
     shared: list[tuple] | None = None,
+    one_donor: bool = False,
 ) -> JoinRecord:
     """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
     than `newer_than` if given, or with `fresh` newer than the newest one offered when it
     started asking (made at a boundary after this node registered), then fetch it from every
-    member at once (`shared`: the tensors they hold alike; default: synchronous rounds')."""
+    member at once (`shared`: the tensors they hold alike; default: synchronous rounds'), or
+    with `one_donor` from the one offering the newest (another if it dies)."""
     token = membership.token
     began = time.monotonic()  # the join's timeline starts here, waiting for a donor included
     deadline = began + JOIN_TIMEOUT_S
@@ -147,7 +160,7 @@ def fetch_members_state(
     for _ in range(3 if fresh else 1):  # the donors made a newer checkpoint meanwhile: that one
         step = None
         for _attempt in range(2):  # a second time with the members left, if that failed
-            donors = _newest_first(membership.donors(), token)
+            donors = _newest_first(membership.donors(), token)[: 1 if one_donor else None]
             names = {url.rstrip("/"): node_id for node_id, url in donors}
             if not donors:
                 break
@@ -214,3 +227,42 @@ def members_left(membership: Membership, since: float) -> Exception | None:
             "to resume with the others"
         )
     return None
+
+
+class Background:
+    """A listener's snapshot, fetched on local rank 0 in the background while it listens:
+    the members' first checkpoint newer than `baseline` (the newest they offered before it
+    said ready, so one made at the boundary that admitted it, or later). From one donor at a
+    time: at its cap (about half a link) the all-reduce the listener takes part in keeps the
+    other half of its link (several donors at once filled a 2 Mbit/s link and timed its
+    all-reduce out). `.got` once in, `.failed` (why) if not."""
+
+    def __init__(self, membership: Membership, ckpt_dir: Path, log: Log, shared: list[tuple]):
+        self.got: JoinRecord | None = None
+        self.failed: BaseException | None = None
+        self.baseline = _newest([u for _, u in membership.donors()], membership.token)
+        self._args = (membership, ckpt_dir, log, shared)
+        self._thread = threading.Thread(target=self._run, name="prime-join-snapshot", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        membership, ckpt_dir, log, shared = self._args
+        try:
+            self.got = fetch_members_state(membership, ckpt_dir, log, newer_than=self.baseline,
+                                           fresh=False, shared=shared, one_donor=True)  # fmt: skip
+        except BaseException as e:  # told to the listener at its next round
+            self.failed = e
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def load_state(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
+    """Load the record's snapshot on this local rank; the data positions are the members'
+    shared ones (none of the donor's own reads)."""
+    t = time.monotonic()
+    run.load(record.snapshot_step, outer)
+    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
+    record.step = record.snapshot_step
+    record.load_seconds += time.monotonic() - t
