@@ -314,13 +314,9 @@ class Diloco:
         model, as the members did; None if this rank's shard then has the members' hash, else
         what differs (the state is then unusable: load another checkpoint)."""
         opt = self.part  # (the entry's fragment: the one after this node's count)
-        if entry.outer_step != self.outer_steps + 1:
-            return f"entry of outer step {entry.outer_step} after outer step {self.outer_steps}"
-        if entry.update.numel() != opt.pseudo_gradient.numel():
-            return (
-                f"entry of outer step {entry.outer_step} has {entry.update.numel()} elements, "
-                f"this shard {opt.pseudo_gradient.numel()}"
-            )
+        misfit = entry.misfit(self.outer_steps, opt.pseudo_gradient.numel())
+        if misfit is not None:
+            return misfit
         opt.pseudo_gradient.copy_(entry.update)
         opt.apply()
         self.totals["outer_steps"] += 1

@@ -70,6 +70,18 @@ class Entry:
     update: torch.Tensor  # float32, flat: what `apply` took
     shared: dict[str, Any] = field(default_factory=dict)
 
+    def misfit(self, applied: int, numel: int) -> str | None:
+        """Why this entry cannot be replayed onto a shard of `numel` elements that has
+        `applied` outer steps (it must be the next one, of the same size); None: it fits."""
+        if self.outer_step != applied + 1:
+            return f"entry of outer step {self.outer_step} after outer step {applied}"
+        if self.update.numel() != numel:
+            return (
+                f"entry of outer step {self.outer_step} has {self.update.numel()} elements, "
+                f"this shard {numel}"
+            )
+        return None
+
     def encode(self) -> bytes:
         body = msgpack.packb(
             {
