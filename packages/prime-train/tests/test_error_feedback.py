@@ -7,46 +7,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from prime_testkit import free_port, gloo_world
+from prime_testkit import WorldMesh, free_port, gloo_world
 from prime_train.config import Config, DilocoConfig
 from prime_train.diloco import Diloco, make_outer_step
 from prime_train.diloco.average import average_pseudo_gradient
 
 
-class ScriptedMesh:
-    """What `Diloco` asks of the mesh, over the default gloo group; `votes` are the answers
-    of `should_commit` (the same on both ranks, as a real vote's), `regroup` the rounds whose
-    sync point re-forms the group. Each vote records the node's residual as it stands."""
-
-    state, epoch = "member", 1
+class ScriptedMesh(WorldMesh):
+    """The gloo world's mesh (`votes` scripted); each vote also records the node's residual
+    as it stands."""
 
     def __init__(self, outer_ref: list, votes: list[bool]):
-        self.global_pg, self.global_world_size = dist.group.WORLD, dist.get_world_size()
-        self.global_members = tuple(f"node-{i}" for i in range(self.global_world_size))
-        self.outer_ref, self.votes, self.regroup = outer_ref, list(votes), False
+        super().__init__(votes)
+        self.outer_ref = outer_ref
         self.residual_at_vote: list[torch.Tensor] = []
-
-    def maybe_reinit_global_pg(self) -> bool:
-        return self.regroup
 
     def should_commit(self, ok: bool) -> bool:
         self.residual_at_vote.append(self.outer_ref[0].feedback.residual.clone())
-        return ok and self.votes.pop(0)
-
-    def round_bound(self) -> float:
-        return 60.0
-
-    def collective_timeout(self) -> float:
-        return 60.0
-
-    def should_abort(self) -> bool:
-        return False
-
-    def record_collective(self, seconds: float, ok: bool = True) -> None:
-        pass
-
-    def note_outer_step(self, outer_steps: int, digest: str) -> None:
-        pass
+        return super().should_commit(ok)
 
 
 def _mean(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from prime_testkit import free_port, gloo_world
+from prime_testkit import WorldMesh, free_port, gloo_world
 from prime_train.config import Config, DilocoConfig
 from prime_train.config_load import check_combined
 from prime_train.diloco import Diloco, OuterOptimizer
@@ -49,35 +49,6 @@ def test_config_refusals_and_hash():
         check_combined(cfg, env={})
 
 
-class Mesh:
-    """What `Diloco` asks of the mesh, over the default gloo group; every vote commits."""
-
-    state, epoch = "member", 1
-
-    def __init__(self):
-        self.global_pg, self.global_world_size = dist.group.WORLD, dist.get_world_size()
-        self.global_members = tuple(f"node-{i}" for i in range(self.global_world_size))
-        self.node_id = f"node-{dist.get_rank()}"
-
-    def maybe_reinit_global_pg(self) -> bool:
-        return False
-
-    def should_commit(self, ok: bool) -> bool:
-        return ok
-
-    def collective_timeout(self) -> float:
-        return 60.0
-
-    def should_abort(self) -> bool:
-        return False
-
-    def record_collective(self, seconds: float, ok: bool = True) -> None:
-        pass
-
-    def note_outer_step(self, outer_steps: int, digest: str) -> None:
-        pass
-
-
 class Tiny(torch.nn.Module):
     """Two one-weight 'layers' (fragments 0 and 1), an embedding (0) and a head (1)."""
 
@@ -97,7 +68,7 @@ def _frag_worker(rank, world, port, q):
         names = [n for n, _ in model.named_parameters()]  # embed, head, layers.0, layers.1
         cfg = DilocoConfig(inner_steps=4, fragments=2, compression="none",
                            outer_lr=0.5, outer_momentum=0.5)  # fmt: skip
-        outer = Diloco(cfg, Mesh(), list(model.parameters()), names=names)
+        outer = Diloco(cfg, WorldMesh(), list(model.parameters()), names=names)
         out: dict = {"boundaries": [s for s in range(1, 9) if outer.is_boundary(s)],
                      "fragments": [], "hashes": [], "outer": [], "model": [], "momentum": []}  # fmt: skip
         for sync in range(3):  # syncs after inner steps 2, 4, 6: fragments 0, 1, 0

@@ -42,3 +42,39 @@ def gloo_group(
     with torch.distributed: pass it as `group=` to the code under test)."""
     prefixed = dist.PrefixStore(name, store)
     return dist.ProcessGroupGloo(prefixed, rank, world, timedelta(seconds=timeout))
+
+
+class WorldMesh:
+    """What prime-train's outer step asks of an ElasticDeviceMesh, over the default gloo group
+    (one fixed epoch of every rank): `votes` are the answers of `should_commit` in turn (the
+    same on every rank, as a real vote's; when they run out, every vote commits), `regroup`
+    what each sync point returns."""
+
+    state, epoch = "member", 1
+
+    def __init__(self, votes: list[bool] | None = None):
+        self.global_pg, self.global_world_size = dist.group.WORLD, dist.get_world_size()
+        self.global_members = tuple(f"node-{i}" for i in range(self.global_world_size))
+        self.node_id = f"node-{dist.get_rank()}"
+        self.votes, self.regroup = list(votes or []), False
+
+    def maybe_reinit_global_pg(self, listening: bool = False) -> bool:
+        return self.regroup
+
+    def should_commit(self, ok: bool) -> bool:
+        return ok and (self.votes.pop(0) if self.votes else True)
+
+    def round_bound(self) -> float:
+        return DEFAULT_TIMEOUT
+
+    def collective_timeout(self) -> float:
+        return DEFAULT_TIMEOUT
+
+    def should_abort(self) -> bool:
+        return False
+
+    def record_collective(self, seconds: float, ok: bool = True) -> None:
+        pass
+
+    def note_outer_step(self, outer_steps: int, digest: str) -> None:
+        pass
