@@ -152,3 +152,41 @@ def test_nodes_arriving_as_the_run_ends_or_after_it_stop_with_exit_0(
     assert "the run completed while this node waited to join" in (tmp_path / "late.log").read_text()
     assert "the run is complete" in (tmp_path / "after.log").read_text()
     assert not [r for r in folder_metrics(late) if "outer_step" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_listening_joiner_stopped_by_sigterm_leaves_at_once(tmp_path, token_cache, children):
+    """A joiner admitted before its snapshot came (it listens while the snapshot crawls at
+    0.5 Mbit/s) and then sent SIGTERM leaves the mesh at once with a line and exit 0: it held
+    nothing of its own to save. The member's rounds go on without it."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=1).start()
+    slow = {**NODE, "args": ["--mesh.serve_mbit", "0.5"]}  # the snapshot takes minutes
+    n0, joiner_dir = tmp_path / "node0", tmp_path / "joiner"
+    try:
+        member = start_cli_node(children, n0, coordinator=coord.address, cache=token_cache,
+                                **slow)  # fmt: skip
+        wait_until(lambda: 1 in outer_by_step(folder_metrics(n0)) or member.poll() is not None,
+                   240, what="the member's first outer step")  # fmt: skip
+        joiner = start_cli_node(children, joiner_dir, coordinator=coord.address,
+                                cache=token_cache, **slow)  # fmt: skip
+
+        def rounds_of(nodes: int) -> list[int]:
+            return [k for k, r in outer_by_step(folder_metrics(n0)).items() if r["nodes"] == nodes]
+
+        wait_until(lambda: rounds_of(2) or member.poll() is not None or joiner.poll() is not None,
+                   180, what="a round with the listening joiner")  # fmt: skip
+        assert member.poll() is None and joiner.poll() is None, log_tails(tmp_path)
+        joiner.send_signal(signal.SIGTERM)
+        code = joiner.wait(timeout=60)
+        last = max(rounds_of(2))
+        wait_until(lambda: [k for k in rounds_of(1) if k > last] or member.poll() is not None,
+                   120, what="the member's rounds without the joiner")  # fmt: skip
+        member.send_signal(signal.SIGTERM)
+        codes = [code, member.wait(timeout=120)]
+    finally:
+        coord.close()
+    assert codes == [0, 0], log_tails(tmp_path)
+    said = (tmp_path / "joiner.log").read_text()
+    assert "SIGTERM received before training began" in said and "left the mesh" in said, said
+    assert not [r for r in folder_metrics(joiner_dir) if "outer_step" in r]  # it never entered

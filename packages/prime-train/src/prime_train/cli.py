@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from prime_mesh import MeshError, RunCompleted
     from prime_train.diloco import OuterStepFailed
     from prime_train.rundir import RunDirError
+    from prime_train.stop import StoppedEarly
     from prime_train.tokens import DataError
     from prime_train.trainer import train
 
@@ -157,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     except RunCompleted as e:  # nothing left to do: not a failure
         print(f"prime-train: {e}; nothing to do", file=sys.stderr)
+        return 0
+    except StoppedEarly as e:  # asked to stop: done, with nothing to save
+        print(f"prime-train: {e} (loading or joining): nothing of this node's to save yet; it "
+              "left the mesh. Rerun the same command to start again", file=sys.stderr)  # fmt: skip
         return 0
     except (MeshError, OuterStepFailed) as e:
         print(f"prime-train: {type(e).__name__}: {e}", file=sys.stderr)

@@ -12,17 +12,27 @@ import torch.distributed as dist
 from prime_train.placement import Placement
 
 
-class StopSignal:
-    """SIGINT/SIGTERM ask to stop after the current step; a second signal stops at once."""
+class StoppedEarly(Exception):
+    """A stop signal before the loop began (loading, or joining a running job: waiting,
+    fetching, listening): this process holds nothing of its own to save yet."""
 
-    def __init__(self) -> None:
+
+class StopSignal:
+    """SIGINT/SIGTERM ask to stop after the current step; a second signal stops at once.
+    With `at_once` (before the loop, when there is nothing to save) the first signal raises
+    StoppedEarly where the main thread is, so the node leaves the mesh and exits cleanly."""
+
+    def __init__(self, at_once: bool = False) -> None:
         self.signal: str | None = None
+        self.at_once = at_once
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal = signal.Signals(signum).name
         for sig, old in self._old.items():  # a second signal gets the default behaviour
             signal.signal(sig, old)
+        if self.at_once:
+            raise StoppedEarly(f"{self.signal} received before training began")
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():

@@ -223,7 +223,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
     """The loop: inner steps, the outer step at every outer boundary, progress lines,
     evaluation, checkpoints, and a clean stop on SIGINT/SIGTERM."""
     cfg, log, total = run.cfg, run.log, run.cfg.train.steps
-    start, eval_loss = begin(run, outer)
+    with StopSignal(at_once=True):  # (a joiner's wait and listening: nothing of its own yet)
+        start, eval_loss = begin(run, outer)
     step = start
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
     boundary = OuterBoundary(run, outer, start) if outer is not None else None
