@@ -271,6 +271,11 @@ class ElasticDeviceMesh:
         self._ready = True
 
     @property
+    def join_timeout(self) -> float | None:
+        """Seconds a wait for admission may last (None: no bound)."""
+        return self._join_timeout
+
+    @property
     def state(self) -> str:
         """This local rank's view: "waiting" (not ready), "joining" (ready, not admitted
         yet) or "member" (holds a group). `members()` has the coordinator's view of all."""

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prime_mesh import RunCompleted
+from prime_mesh import MeshTimeout, RunCompleted
 from prime_train import faults
 from prime_train.diloco.catch_up import (
     Fetched,
@@ -308,16 +308,25 @@ def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> Join
 def _wait_admitted(run: Run, record: JoinRecord) -> None:
     """Until the coordinator lists this node as a member (the members' next sync point), or
     the snapshot's fetch finds the members gone: `RunCompleted` (exit 0) when they finished
-    the run, else `JoinFailed` (the mesh's own wait for admission would last `join_timeout`)."""
+    the run, else `JoinFailed`; `MeshTimeout` past the mesh's `join_timeout` (as its own wait
+    for admission), decided on local rank 0 for all ranks."""
     membership = run.placement.membership
     assert membership is not None
     me = membership.mesh.node_id
+
+    bound = membership.mesh.join_timeout  # (as the mesh's own wait for admission)
+    deadline = None if bound is None else time.monotonic() + bound
 
     def ask() -> tuple[str, str] | None:
         pending = record.pending
         failed = getattr(pending, "failed", None)
         if isinstance(failed, RunCompleted | JoinFailed):
             return type(failed).__name__, str(failed)
+        if deadline is not None and time.monotonic() > deadline:
+            return "MeshTimeout", (
+                f"not admitted within the mesh's join_timeout of {bound:g} s (the members' "
+                "sync point never came, or the coordinator stayed away)"
+            )
         try:
             members = membership.mesh.members()
         except Exception:  # the coordinator briefly away: ask again
@@ -332,3 +341,5 @@ def _wait_admitted(run: Run, record: JoinRecord) -> None:
         raise RunCompleted(why)
     if kind == "JoinFailed":
         raise JoinFailed(why)
+    if kind == "MeshTimeout":
+        raise MeshTimeout(why)
