@@ -89,8 +89,9 @@ def test_a_stuck_heartbeating_node_is_left_out_and_rejoins(tmp_path, token_cache
     assert rejoined[0]["fetch_bytes"] > 0 and rejoined[0]["donor"], rejoined
     after = [r for r in rows2 if "outer_sha256" in r and r["step"] >= rejoined[0]["step"]]
     assert after and min(r["step"] for r in after) > max(left_out), log_tails(tmp_path)
-    for r in after:
+    for r in after:  # the members' weights, at the members' step (its position too)
         assert r["outer_sha256"] == outer0[r["outer_step"]]["outer_sha256"], r["outer_step"]
+        assert r["step"] == outer0[r["outer_step"]]["step"], (r["outer_step"], r["step"])
     before = [r for r in rows2 if "outer_sha256" in r and r["step"] < STALL_AT]
     assert before and all(r["outer_sha256"] == outer0[r["outer_step"]]["outer_sha256"]
                           for r in before)  # fmt: skip

@@ -43,13 +43,13 @@ import prime_comm
 from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
 from prime_train.diloco.outer_step import Diloco, JoinedLate
-from prime_train.diloco.round_log import round_counts
+from prime_train.diloco.round_log import join_cost, members_before, round_counts
 from prime_train.seam import OuterStepReport
 
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
              "late": "", "behind": 0, "consumed": None, "members": [], "inner_steps": 0,
-             "counted": None}  # fmt: skip
+             "counted": None, "join_cost": {}}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -128,7 +128,9 @@ class DelayedDiloco(Diloco):
         """One attempt, in the background thread: sync point, all-reduce, vote."""
         mesh, t0 = self.mesh, time.monotonic()
         try:
+            before = members_before(mesh)
             regrouped = mesh.maybe_reinit_global_pg()
+            sync_seconds = time.monotonic() - t0
             faults.hold_outer_round(rnd["step"], self.log)
             got = self.average(regrouped, contributing, reads)
             committed = self.vote(got)  # a committed round's residual is kept at once
@@ -147,6 +149,7 @@ class DelayedDiloco(Diloco):
                 members=list(mesh.global_members),
                 # this node's reads that counted (None: it sent none, or was not counted)
                 counted=reads if contributing and got.late is None else None,
+                join_cost=join_cost(mesh, before, sync_seconds),  # (a round that admitted)
             )
         except BaseException as e:  # the mesh is gone (coordinator lost, closed): re-raised
             self._fatal = e
@@ -211,6 +214,7 @@ class DelayedDiloco(Diloco):
                 **(data or {}),
                 **self.feedback.metrics(),
                 **round_counts(int(rnd["inner_steps"]), self.data, rnd["consumed"], rnd["counted"]),
+                **rnd["join_cost"],
             },
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )

@@ -198,8 +198,11 @@ class Diloco:
                 if self.vote(got):
                     late = got.late is not None or self.listen_first
                     if self.listener is None and late and self.listen_late:
+                        if self.listen_first:  # its count is 0, or a rejoiner's stale one
+                            step = (self.outer_steps + got.behind + 1) * self.period
+                        else:  # from the state it loaded: the members' round
+                            step += got.behind * self.period
                         self.listen_first = False
-                        step += got.behind * self.period  # the members' round
                         self.listener = self.listen_late(self.outer_steps, got.behind)
                     if self.listener is not None:  # (its buffer holds the round's average)
                         if not self.listener.listened(got, step):
