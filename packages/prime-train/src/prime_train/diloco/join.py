@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from prime_train.run import Run
 
 MAX_LATE = 10  # admissions a round too late (then catching up again) before giving up
+ENTRIES_WAIT_S = 10.0  # how long a late joiner waits for entries a member still writes
 LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
 
 
@@ -199,15 +200,24 @@ def replay_in_place(
     membership = run.placement.membership
     assert membership is not None
     folder, t0 = run.ckpt_dir / "replay-in", time.monotonic()
+    want = list(range(mine + 1, theirs + 1))
 
     def fetch() -> Fetched:
-        try:
-            return fetch_entries(membership, mine, run.placement.world_size, folder, until=theirs)
-        except (PeerError, OSError):
-            return Fetched(stale=True)
+        # a member writes the entry of the round it just applied in the background (a delayed
+        # round applies right before the sync point that admitted this node): ask again briefly
+        while True:
+            try:
+                got = fetch_entries(
+                    membership, mine, run.placement.world_size, folder, until=theirs
+                )
+            except (PeerError, OSError):
+                got = Fetched(stale=True)
+            if got.outer_steps == want or time.monotonic() - t0 > ENTRIES_WAIT_S:
+                return got
+            time.sleep(0.2)
 
     got = on_primary(run, fetch)
-    if got.outer_steps != list(range(mine + 1, theirs + 1)):
+    if got.outer_steps != want:
         return False
     problem = replay_fetched(run, outer, record, got, folder, t0)
     if problem is not None:
