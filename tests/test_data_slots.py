@@ -17,6 +17,7 @@ from prime_testkit import (
     log_tails,
     outer_by_step,
     start_cli_node,
+    start_nodes_in_turn,
     wait_until,
 )
 from prime_testkit.cli_node import CLI
@@ -66,13 +67,8 @@ def test_every_slot_is_read_once_in_order_through_join_kill_and_stall(
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     folders = [tmp_path / f"node{k}" for k in range(3)]
     try:
-        nodes = {}
-        for k in range(2):
-            nodes[k] = start_cli_node(children, folders[k], coordinator=coord.address,
-                                      cache=token_cache, **NODE)  # fmt: skip
-            wait_until(
-                lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers"
-            )
+        nodes = dict(enumerate(start_nodes_in_turn(children, folders[:2], coord,
+                                                   cache=token_cache, **NODE)))  # fmt: skip
 
         def outer_of(k: int) -> int:
             return max(outer_by_step(folder_metrics(folders[k])), default=0)

@@ -20,6 +20,7 @@ from prime_testkit import (
     outer_hashes,
     run_local_nodes,
     start_cli_node,
+    start_nodes_in_turn,
     trace,
     wait_until,
 )
@@ -95,13 +96,8 @@ def test_a_joiner_enters_the_fragment_cycle_with_the_members_hash(tmp_path, toke
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     folders = [tmp_path / f"node{k}" for k in range(3)]
     try:
-        nodes = {}
-        for k in range(2):
-            nodes[k] = start_cli_node(children, folders[k], coordinator=coord.address,
-                                      cache=token_cache, **NODE)  # fmt: skip
-            wait_until(
-                lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers"
-            )
+        nodes = dict(enumerate(start_nodes_in_turn(children, folders[:2], coord,
+                                                   cache=token_cache, **NODE)))  # fmt: skip
 
         def outer_of(k: int) -> int:
             return max(outer_by_step(folder_metrics(folders[k])), default=0)

@@ -47,6 +47,7 @@ from prime_testkit.cli_node import (
     start_coordinator_cli,
     start_local_node,
     start_local_nodes,
+    start_nodes_in_turn,
     start_ranked_node,
 )
 from prime_testkit.mesh import FakeClock, FakeConn, node_states
@@ -116,6 +117,7 @@ __all__ = [
     "outer_rows",
     "run_local_nodes",
     "start_cli_node",
+    "start_nodes_in_turn",
     "start_coordinator_cli",
     "start_local_node",
     "start_local_nodes",

@@ -94,6 +94,19 @@ def start_cli_node(
                               cwd=folder)  # fmt: skip
 
 
+def start_nodes_in_turn(
+    children: Children, folders: Sequence[Path], coord: Any, **node: Any
+) -> list[subprocess.Popen]:
+    """`start_cli_node` in each folder against the in-process coordinator `coord`, each once
+    the coordinator lists the ones before it (several torch start-ups at once starve the
+    heartbeats on two cores); 120 s for each to register."""
+    procs = []
+    for k, folder in enumerate(folders):
+        procs.append(start_cli_node(children, folder, coordinator=coord.address, **node))
+        wait_until(lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k} registers")
+    return procs
+
+
 def start_ranked_node(
     children: Children, folder: Path, ranks: int, **node: Any
 ) -> list[subprocess.Popen]:
