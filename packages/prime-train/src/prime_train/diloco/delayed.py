@@ -49,7 +49,7 @@ from prime_train.seam import OuterStepReport
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
              "late": "", "behind": 0, "consumed": None, "members": [], "inner_steps": 0,
-             "counted": None, "join_cost": {}}  # fmt: skip
+             "counted": None, "admitted": [], "join_seconds": 0.0}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -134,6 +134,7 @@ class DelayedDiloco(Diloco):
             faults.hold_outer_round(rnd["step"], self.log)
             got = self.average(regrouped, contributing, reads)
             committed = self.vote(got)  # a committed round's residual is kept at once
+            cost = join_cost(mesh, before, sync_seconds)  # (a round that admitted a node)
             rnd.update(
                 state="committed" if committed else "dropped",
                 seconds=time.monotonic() - t0,
@@ -149,7 +150,10 @@ class DelayedDiloco(Diloco):
                 members=list(mesh.global_members),
                 # this node's reads that counted (None: it sent none, or was not counted)
                 counted=reads if contributing and got.late is None else None,
-                join_cost=join_cost(mesh, before, sync_seconds),  # (a round that admitted)
+                # flat, always present: the round is checkpointed, and a checkpoint's keys must
+                # not depend on whether its round admitted a node
+                admitted=cost.get("admitted", []),
+                join_seconds=cost.get("join_seconds", 0.0),
             )
         except BaseException as e:  # the mesh is gone (coordinator lost, closed): re-raised
             self._fatal = e
@@ -214,7 +218,11 @@ class DelayedDiloco(Diloco):
                 **(data or {}),
                 **self.feedback.metrics(),
                 **round_counts(int(rnd["inner_steps"]), self.data, rnd["consumed"], rnd["counted"]),
-                **rnd["join_cost"],
+                **(
+                    {"admitted": rnd["admitted"], "join_seconds": rnd["join_seconds"]}
+                    if rnd["admitted"]
+                    else {}
+                ),
             },
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )
