@@ -1,40 +1,43 @@
 """A joiner whose checkpoint takes many rounds to arrive catches up by replaying the members'
 committed updates and enters with their exact outer weights, without exiting (issue #24).
 
-Through the CLI, each node its own process in its own folder; the members cap their serving
-rate (`mesh.serve_mbit`) so low that the joiner's checkpoint takes many short rounds to come.
-Synchronous: the donors serve at 4 Mbit/s; the joiner is admitted before its snapshot
-arrives and listens (`diloco/listen.py`) for the rounds it takes, the members not waiting for
-that transfer, then replays the kept rounds and enters with the members' outer hash.
+Through the CLI, each node its own process in its own folder. Synchronous, on the WAN bed
+(network namespaces, every link 8 Mbit/s, the donors serving at half of it): the joiner is
+admitted before its snapshot arrives and listens (`diloco/listen.py`) for the many rounds it
+takes, the members not waiting for that transfer, then replays the kept rounds and enters
+with the members' outer hash. Delayed, on loopback with a serving cap: it replays in place.
 """
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from prime_netbed import WanBed, bed_unavailable_reason
 
 from prime_mesh import Coordinator
-from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_node, wait_until
+from prime_testkit import (
+    folder_metrics,
+    log_tails,
+    outer_by_step,
+    start_cli_node,
+    start_nodes_in_turn,
+    wait_until,
+)
 
 TOKEN = "join-replay-test-token"
 H = 10
 STEPS = 5000  # never ends by itself, however fast the machine: the test stops the nodes
-# 16 Mbit/s: the ~8.7 MB checkpoint takes ~4.4 s, several 10-step rounds on an idle machine
-# (~1 s each); an update (~0.55 MB packed) ~0.15 s from the two donors together.
-NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H,
-        "args": ["--mesh.serve_mbit", "16"]}  # fmt: skip
-# per overlap mode, the donors' cap: a delayed joiner replays the rounds it missed in place
-# (the members wait for that transfer at their next sync point), so it needs entries that move
-# faster than rounds; a synchronous one listens, and is tested where they move slower
-SERVE_MBIT = {"none": "4", "delayed": "16"}
-FAULTS = {
-    # none: admitted before its snapshot came, it listens while it comes (several rounds at
-    # the donors' 4 Mbit/s cap)
-    "none": {},
-    # it says ready() 8 s late the first time: the members commit meanwhile and it is admitted
-    # late (then replays the rounds it missed in place, or leaves, replays and asks again)
-    "delayed": {"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"},
-}
+NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H}
+# The bed: 8 Mbit/s links, the donors at 4: the ~8.7 MB checkpoint takes ~18 s, many 10-step
+# rounds (~1-2 s each); an update (~0.55 MB packed) well under a round.
+BED_MBIT = 8.0
+BED_PORT = 29500  # inside the bed's own namespace: nothing else listens there
+COORD = 3  # the bed's last namespace holds the coordinator
+# heartbeats share the slow links with the snapshot and the all-reduce: a 3 s timeout is tight
+BED_HEARTBEATS = {"PRIME_MESH__HEARTBEAT_TIMEOUT_S": "10"}
 
 
 def first_outer_matches(tmp_path: Path, joiner: Path, members: list[Path]) -> int:
@@ -50,43 +53,27 @@ def first_outer_matches(tmp_path: Path, joiner: Path, members: list[Path]) -> in
     return min(mine)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(500)
-@pytest.mark.parametrize("overlap", ["none", "delayed"])
-def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
-    tmp_path, token_cache, children, overlap
-):
-    node = {**NODE, "args": ["--mesh.serve_mbit", SERVE_MBIT[overlap], "--diloco.overlap", overlap]}
-    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
-    try:
-        nodes = []
-        for k in range(2):
-            nodes.append(start_cli_node(children, tmp_path / f"node{k}",
-                                        coordinator=coord.address, cache=token_cache, **node))  # fmt: skip
-            wait_until(
-                lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers"
-            )
-        n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
-        wait_until(lambda: 2 in outer_by_step(folder_metrics(n0)) or nodes[0].poll() is not None,
-                   240, what="the members' second outer step")  # fmt: skip
-        assert nodes[0].poll() is None, log_tails(tmp_path)
-        joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
-                                env=FAULTS[overlap], **node)  # fmt: skip
-        everyone = (*nodes, joiner)
+def wait_for_the_joiner_then_stop(tmp_path: Path, nodes: list, joiner, n0: Path) -> list[int]:
+    """Until a round the joiner contributed to (or a node ended); then SIGTERM to every node,
+    each stopping at its next outer boundary; returns their exit codes."""
+    everyone = (*nodes, joiner)
 
-        def joiner_contributed() -> bool:  # (delayed: it trains from its third round)
-            rows = outer_by_step(folder_metrics(n0)).values()
-            return any(r["contributors"] == 3 for r in rows) or any(
-                p.poll() is not None for p in everyone
-            )
+    def joiner_contributed() -> bool:  # (delayed: it trains from its third round)
+        rows = outer_by_step(folder_metrics(n0)).values()
+        return any(r["contributors"] == 3 for r in rows) or any(
+            p.poll() is not None for p in everyone
+        )
 
-        wait_until(joiner_contributed, 400, what="a round the joiner contributed to")
-        for p in everyone:  # each stops at its next outer boundary
-            p.send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=120) for p in everyone]
-    finally:
-        coord.close()
-    assert codes == [0, 0, 0], log_tails(tmp_path)
+    wait_until(joiner_contributed, 400, what="a round the joiner contributed to")
+    for p in everyone:
+        p.send_signal(signal.SIGTERM)
+    return [p.wait(timeout=120) for p in everyone]
+
+
+def check_the_join(tmp_path: Path, overlap: str) -> dict:
+    """What every join must show: one join, entered with the members' hashes at every outer
+    step, at the members' step; returns the joiner's `joined` row."""
+    n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
     joined = [r for r in folder_metrics(n2) if r.get("joined")]
     assert len(joined) == 1, log_tails(tmp_path)
     row = joined[0]
@@ -107,7 +94,7 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
         # the backlog between the snapshot and its first kept round is none or one round.
         assert "admitted before its snapshot arrived" in log, log[-3000:]
         assert "caught up after listening" in log, log[-3000:]
-        assert row["snapshot_rounds"] >= 2 and row["listened_fetching"] >= 1, row
+        assert row["snapshot_rounds"] >= 3 and row["listened_fetching"] >= 2, row
         assert row["replayed"] <= 1 and row["late_admissions"] == 0, row
         listened = [outer0[k] for k in range(first - row["listened"] + 1, first + 1)]
         assert all(r["nodes"] == 3 and r["contributors"] == 2 and r["attempts"] == 1
@@ -123,6 +110,77 @@ def test_a_joiner_whose_fetch_outlasts_rounds_replays_them_and_enters(
     assert all(steps[k] == outer0[k]["step"] for k in steps if k > first and k in outer0), (
         log_tails(tmp_path)
     )
+    return row
+
+
+@pytest.mark.slow
+@pytest.mark.wan
+@pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason()))
+@pytest.mark.timeout(500)
+def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
+    tmp_path, token_cache, children
+):
+    """On the WAN bed: every node's link at BED_MBIT, the donors serving at half of it (the
+    setting's advice); the joiner's ~8.7 MB snapshot takes several short rounds to cross its
+    link, beside the rounds' all-reduce on the same link. Synchronous: it is admitted before
+    its snapshot arrives, listens, replays the kept rounds and enters with the members' hash."""
+    n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
+    coord_log = tmp_path / "coordinator.log"
+    node = {k: v for k, v in NODE.items() if k != "host"}
+    node = {**node, "args": ["--mesh.serve_mbit", str(BED_MBIT / 2)],
+            "env": {"GLOO_SOCKET_IFNAME": "eth0", **BED_HEARTBEATS}}  # fmt: skip
+    with WanBed(4, rate_mbit=BED_MBIT) as bed:  # (closing it kills what is left inside)
+        with open(coord_log, "w") as out:
+            coord = children.popen(
+                bed.exec_prefix(COORD)
+                + [sys.executable, "-m", "prime_mesh.cli", "coordinator", "--host",
+                   bed.ip(COORD), "--port", str(BED_PORT), "--min-nodes", "2"],
+                env=dict(os.environ, PRIME_TOKEN=TOKEN), stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        address = f"{bed.ip(COORD)}:{BED_PORT}"
+
+        def start(k: int, folder: Path) -> subprocess.Popen:
+            p = start_cli_node(children, folder, prefix=bed.exec_prefix(k), host=bed.ip(k),
+                               coordinator=address, cache=token_cache, **node)  # fmt: skip
+            said = f"{folder.name} local rank 0/1 registered"
+            wait_until(lambda: said in coord_log.read_text() or p.poll() is not None, 120,
+                       what=f"{folder.name} registers")  # fmt: skip
+            return p
+
+        members = [start(0, n0), start(1, n1)]
+        wait_until(lambda: 2 in outer_by_step(folder_metrics(n0)) or members[0].poll() is not None,
+                   240, what="the members' second outer step")  # fmt: skip
+        assert members[0].poll() is None, log_tails(tmp_path)
+        codes = wait_for_the_joiner_then_stop(tmp_path, members, start(2, n2), n0)
+        coord.send_signal(signal.SIGTERM)
+        codes.append(coord.wait(timeout=30))
+    assert codes == [0, 0, 0, 0], log_tails(tmp_path)
+    check_the_join(tmp_path, "none")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_late_delayed_joiner_replays_the_rounds_it_missed_and_enters(
+    tmp_path, token_cache, children
+):
+    """overlap "delayed", on loopback with the donors capped at 16 Mbit/s: a delayed joiner
+    replays the rounds it missed in place (the members wait for that transfer at their next
+    sync point), so its entries must move faster than rounds; it says ready() 8 s late."""
+    node = {**NODE, "args": ["--mesh.serve_mbit", "16", "--diloco.overlap", "delayed"]}
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
+    try:
+        members = start_nodes_in_turn(children, [n0, n1], coord, cache=token_cache, **node)
+        wait_until(lambda: 2 in outer_by_step(folder_metrics(n0)) or members[0].poll() is not None,
+                   240, what="the members' second outer step")  # fmt: skip
+        assert members[0].poll() is None, log_tails(tmp_path)
+        joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
+                                env={"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}, **node)  # fmt: skip
+        codes = wait_for_the_joiner_then_stop(tmp_path, members, joiner, n0)
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    check_the_join(tmp_path, "delayed")
 
 
 @pytest.mark.slow
