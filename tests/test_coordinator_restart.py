@@ -30,6 +30,7 @@ from prime_train.metrics import read_metrics
 TOKEN = "coordinator-restart-test-token"
 H = 10
 STEPS = 100
+FRAGMENTS = ("--diloco.fragments", "2")  # the debug model's 2 layers, one per fragment
 
 
 def status(port: int) -> str:
@@ -95,13 +96,15 @@ def test_coordinator_killed_and_restarted_mid_run(tmp_path, token_cache, childre
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("overlap", ["none", "delayed"])
+@pytest.mark.parametrize("mode", ["fragments", "delayed"])
 def test_coordinator_gone_past_the_grace_checkpoints_and_the_rerun_resumes(
-    tmp_path, token_cache, children, overlap
+    tmp_path, token_cache, children, mode
 ):
-    # delayed: the round in flight when the coordinator died ends in CoordinatorGone at the
-    # next boundary (or at a checkpoint, which waits for it) and is dropped
-    extra = ("--diloco.overlap", overlap)
+    # fragments: synchronous, the model synced in two fragments in turn (a sync every H/2
+    # steps, each its own outer step); delayed: the round in flight when the coordinator died
+    # ends in CoordinatorGone at the next boundary (or at a checkpoint, which waits for it)
+    # and is dropped
+    extra = FRAGMENTS if mode == "fragments" else ("--diloco.overlap", "delayed")
     port = free_port()
     coord, folders, nodes = start_run(children, tmp_path, port, token_cache, grace=3, extra=extra)
     kill_after_outer_step(tmp_path, coord, folders, nodes, 2)
@@ -114,7 +117,8 @@ def test_coordinator_gone_past_the_grace_checkpoints_and_the_rerun_resumes(
         assert len(lines) == 1 and "rerun the same command" in lines[0], log_tails(tmp_path)
         steps.add(int(re.search(r"checkpointed step (\d+)", lines[0]).group(1)))
     (step,) = steps  # every node stopped at the same committed outer step
-    assert step % H == 0 and step >= 2 * H
+    period = H // 2 if mode == "fragments" else H  # (a fragment's sync point is a boundary)
+    assert step % period == 0 and step >= 2 * period
     committed = {
         r["outer_step"]: r["outer_sha256"]
         for r in outer_rows(folder_metrics(folders[0]))
@@ -133,7 +137,7 @@ def test_coordinator_gone_past_the_grace_checkpoints_and_the_rerun_resumes(
         {r["outer_step"]: r["outer_sha256"] for r in outer_rows(folder_metrics(f))} for f in folders
     ]
     # delayed: the dropped round, and the first boundary after the resume, apply nothing
-    last = STEPS // H if overlap == "none" else max(final[0])
+    last = STEPS // H * 2 if mode == "fragments" else max(final[0])
     assert final[0] == final[1] and set(final[0]) == set(range(1, last + 1))
     assert last > max(committed), "the rerun committed outer steps of its own"
     for k, digest in committed.items():  # the committed steps were kept, not redone
