@@ -4,7 +4,7 @@ Three prime-train nodes and the coordinator, each in its own network namespace o
 (root only), started through the CLI (`prime-train`, `prime-mesh coordinator`) with their own
 working folders. Node 2's link goes down (`ip link set eth0 down` in its namespace) for longer
 than the heartbeat timeout while the run goes on; it is restored, and the same node process
-rejoins through live recovery.
+rejoins through live recovery. The run syncs the model in two fragments in turn.
 """
 
 import os
@@ -27,6 +27,9 @@ STEPS = 200
 NODES = 3
 COORD = NODES  # the bed's last namespace holds the coordinator
 PORT = 29500
+# streaming outer steps (issue #26): two fragments, a sync every H/2 steps; the rejoiner enters
+# the fragment cycle where the members are (plain rounds: test_diloco_join, test_stuck_node)
+FRAGMENTS = ("--diloco.fragments", "2")
 
 
 @pytest.mark.timeout(600)
@@ -46,7 +49,8 @@ def test_a_cut_link_evicts_the_node_and_it_rejoins_by_itself(tmp_path, children)
             procs = [
                 start_cli_node(children, n[k], prefix=bed.exec_prefix(k), host=bed.ip(k),
                                coordinator=f"{bed.ip(COORD)}:{PORT}", token=TOKEN, cache=cache,
-                               steps=STEPS, inner_steps=H, env={"GLOO_SOCKET_IFNAME": "eth0"})
+                               steps=STEPS, inner_steps=H, env={"GLOO_SOCKET_IFNAME": "eth0"},
+                               args=FRAGMENTS)
                 for k in range(NODES)
             ]  # fmt: skip
             running = lambda: all(p.poll() is None for p in procs)  # noqa: E731
