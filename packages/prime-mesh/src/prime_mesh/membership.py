@@ -27,8 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prime_mesh.address import check_name
-from prime_mesh.barrier import SyncWaits, checked_sync_timeout
+from prime_mesh.barrier import SyncWaits
 from prime_mesh.node import Conn, Node, name_held
 from prime_mesh.progress import History, page_of
 from prime_mesh.reform import (
@@ -40,7 +39,7 @@ from prime_mesh.reform import (
     plan_reform,
     resume_of,
 )
-from prime_mesh.settings_diff import settings_differences
+from prime_mesh.registration import check_fits_run, parse_registration
 
 log = logging.getLogger("prime_mesh.coordinator")
 
@@ -72,40 +71,21 @@ class Membership:
 
     # ---- messages from nodes -------------------------------------------------------------
     def register(self, conn: Conn, msg: dict) -> Node:
-        key, lr, lws = msg.get("node_key"), msg.get("local_rank"), msg.get("local_world_size")
-        metadata = msg.get("metadata") or {}
-        if not (isinstance(key, str) and isinstance(lr, int) and isinstance(lws, int)):
-            raise Refused("malformed registration (node_key, local_rank, local_world_size)")
-        if not (lws >= 1 and 0 <= lr < lws) or not isinstance(metadata, dict):
-            raise Refused(f"bad registration: local_rank {lr} of local_world_size {lws}")
+        reg = parse_registration(msg)
+        key, lr, lws, metadata, name = (
+            reg.key, reg.local_rank, reg.local_world_size, reg.metadata, reg.name
+        )  # fmt: skip
         if key in self.gone:
             if msg.get("resume") is not None:  # cut off or stalled while this coordinator ran
                 raise Rejoin("this node was evicted; rejoin through live recovery")
             raise Refused("this node was evicted; create a new ElasticDeviceMesh to rejoin")
-        name = msg.get("name")
         if name is not None:  # first: a name taken is the clearest reason to refuse
-            try:
-                check_name(name)
-            except ValueError as e:
-                raise Refused(str(e)) from None
             holder = next(
                 (n for k, n in self.nodes.items() if k != key and n.node_id == name), None
             )
             if holder is not None and msg.get("resume") is None:
                 raise NameTaken(name_held(holder, self.state_of(holder), self.clock()))
-        run = self._run_node(exclude=key)
-        if run is not None and run.local_world_size != lws:
-            raise Refused(
-                f"local_world_size {lws} differs from the run's {run.local_world_size}: "
-                "start every node with the same number of local ranks"
-            )
-        if run is not None and run.metadata.get("config_hash") != metadata.get("config_hash"):
-            differ = settings_differences(run.metadata.get("settings"), metadata.get("settings"))
-            raise Refused(
-                f"config hash {metadata.get('config_hash')!r} differs from the run's "
-                f"{run.metadata.get('config_hash')!r}{differ}; start this node with the run's "
-                "config"
-            )
+        check_fits_run(reg, self._run_node(exclude=key))
         if (
             self.completed is not None
             and not self.members
@@ -113,14 +93,6 @@ class Membership:
             and msg.get("resume") is None
         ):
             raise Completed("the run is complete: its members finished every step and left")
-        hb = msg.get("heartbeat_timeout", 5.0)
-        if not isinstance(hb, int | float):
-            raise Refused("malformed registration (heartbeat_timeout)")
-        hb = float(min(max(hb, 0.1), 3600.0))
-        try:
-            sync_timeout = checked_sync_timeout(msg.get("sync_timeout"))
-        except ValueError as e:
-            raise Refused(f"malformed registration: {e}") from None
         others = {n.node_id: n for k, n in self.nodes.items() if k != key}
         resume = resume_of(msg.get("resume"), epoch=self.epoch, other_ids=set(others))
         if resume is not None:
@@ -133,7 +105,8 @@ class Membership:
                 node_id = name
             else:
                 node_id = self._fresh_id(set(others))
-            node = Node(key, node_id, lws, metadata, hb, sync_timeout=sync_timeout)
+            node = Node(key, node_id, lws, metadata, reg.heartbeat_timeout,
+                        sync_timeout=reg.sync_timeout)  # fmt: skip
             node.resume = resume
             # "auto": decided here, once per node, atomically with the registration: a node
             # arriving while the run has members (or is being re-formed) joins it, waiting
