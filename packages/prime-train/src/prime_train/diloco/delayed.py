@@ -92,8 +92,23 @@ class DelayedDiloco(Diloco):
         """A joiner's first round (see the seam): its zero pseudo-gradient's round, settled at
         once. JoinedLate if it was admitted after a later round than the state it loaded."""
         self.feedback.reset()
+        self._settle_loaded()
         self._start(step, contributing=False)
         return self.finish()
+
+    def _settle_loaded(self) -> None:
+        """A joiner whose snapshot holds the donor's finished, unapplied round (no update
+        replayed since, which would have dropped it): apply it, or drop it, as the members do
+        at the sync point this joiner enters at, before it is admitted there. No row: its
+        report would read the mesh, not this node's yet; the next sync's row has the hash."""
+        rnd, self._round = self._round, dict(_NO_ROUND)
+        if rnd["state"] != "committed":
+            if rnd["state"] != "none" and self.data is not None:
+                self.data.drop()
+            return
+        self.part.apply(to_model=False)
+        self._commit_data(rnd["consumed"], rnd["members"])
+        self.totals["outer_steps"] += 1
 
     def _start(self, step: int, contributing: bool) -> None:
         opt = self.optimizer
