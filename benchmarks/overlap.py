@@ -1,6 +1,13 @@
 """Overlapped outer step: `--diloco.overlap none` vs `delayed` on 2 nodes over shaped links.
 
     sudo uv run python benchmarks/overlap.py [--steps 240] [--inner-steps 20] [--rate MBIT]
+    sudo uv run python benchmarks/overlap.py --streaming --rate 10 100
+
+`--streaming` measures issue 26's streaming row instead: the debug preset with 6 layers (dim
+128; batch `--batch`, 4 by default: the smaller the batch, the larger the sync's share), uint4 + error feedback in 3 fragments (`--diloco.fragments 3`: a sync every
+H / 3 steps, one fragment's bytes each), overlap "none" against "delayed" at each `--rate`
+(several rates: one bed each, one table each, then a summary). A round is then one fragment's
+H / F steps: the utilisation is (H / F) x t over its median wall time.
 
 Root only (network namespaces joined through a bridge, `tc tbf` on every link; see
 tests/support/prime_netbed.py); without root it says so and exits 0. Each node is the real
@@ -39,6 +46,9 @@ SEQ = 128
 
 
 def train_args(a: argparse.Namespace, runs: Path, cache: Path, name: str, steps: int) -> list:
+    more = ["--diloco.compression", a.compression, "--diloco.fragments", str(a.fragments)]
+    if a.error_feedback:
+        more += ["--diloco.error_feedback", "true"]
     return [
         sys.executable, "-m", "prime_train.cli", "--config", str(ROOT / "configs/debug.toml"),
         "--run.name", name, "--run.runs_dir", str(runs), "--data.cache_dir", str(cache),
@@ -46,7 +56,7 @@ def train_args(a: argparse.Namespace, runs: Path, cache: Path, name: str, steps:
         "--train.batch_size", str(a.batch), "--train.steps", str(steps),
         "--diloco.inner_steps", str(a.inner_steps), "--optim.warmup_steps", "20",
         "--ckpt.every", "0", "--eval.every", "0", "--eval.batches", "16",
-        "--run.log_every", "5", "--launch.local_nodes", "1",
+        "--run.log_every", "5", "--launch.local_nodes", "1", *more,
     ]  # fmt: skip
 
 
@@ -133,14 +143,15 @@ def diloco_run(a, bed, children, runs, cache, logs, mode: str) -> dict:
 def in_run_step_seconds(runs: list[dict], a: argparse.Namespace) -> float:
     """Compute-only seconds per step measured inside the runs themselves: the median over the
     progress windows (both modes, node 0) that hold no outer-step boundary."""
+    period = a.inner_steps // a.fragments  # steps between two syncs
     tps = [
         r["tokens_per_s"]
         for run in runs
         for r in run["metrics"]
         if "tokens_per_s" in r
         and r["step"] > 5  # not the first window (start-up)
-        and (r["step"] - 1) // a.inner_steps == (r["step"] - 5) // a.inner_steps
-        and r["step"] % a.inner_steps != 0
+        and (r["step"] - 1) // period == (r["step"] - 5) // period
+        and r["step"] % period != 0
     ]
     return a.batch * SEQ / statistics.median(tps)
 
@@ -154,6 +165,9 @@ def figures(run: dict, step_s: float, h: int) -> dict:
         "allreduce_s": statistics.median(r["allreduce_seconds"] for r in outer),
         "utilisation": h * step_s / statistics.median(r["round_s"] for r in rounds),
         "trainer_utilisation": d["compute_utilisation"],
+        # each round's own inner compute over its wall (the trainer's per-row figure): robust
+        # to the machine's load drifting between rounds, unlike H*t with one t for the run
+        "round_utilisation": statistics.median(r["compute_utilisation"] for r in rounds),
         "loop_s": max(s["seconds"] for s in run["summaries"]),
         "wall": run["wall"],
         "heldout": run["summaries"][0]["heldout_loss"],
@@ -197,26 +211,49 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dim", type=int, default=192)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--share", type=float, default=0.5, help="all-reduce / round compute")
-    ap.add_argument("--rate", type=float, default=None, help="link Mbit/s (default: from share)")
-    ap.add_argument("--png", type=Path, default=ROOT / "benchmarks" / "results" / "overlap.png")
+    ap.add_argument("--rate", type=float, nargs="+", default=None,
+                    help="link Mbit/s, one bed each (default: one, from share)")  # fmt: skip
+    ap.add_argument(
+        "--streaming",
+        action="store_true",
+        help="issue 26's row: 6 layers, dim 128, uint4 + EF, 3 fragments",
+    )
+    ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--compression", default="uint8")
+    ap.add_argument("--error-feedback", action="store_true")
+    ap.add_argument(
+        "--png", type=Path, default=None, help="default: results/overlap[_streaming].png"
+    )
     ap.add_argument("--burst", default="64kb", help="tbf bucket of the shaped links")
     ap.add_argument("--keep", type=Path, default=None, help="copy the run folders and logs here")
-    return ap.parse_args()
+    a = ap.parse_args()
+    if a.streaming:
+        a.dim, a.layers, a.fragments = 128, 6, 3
+        a.compression, a.error_feedback = "uint4", True
+        a.inner_steps = a.inner_steps if a.inner_steps % 3 == 0 else 30
+    name = "overlap_streaming.png" if a.streaming else "overlap.png"
+    a.png = a.png or ROOT / "benchmarks" / "results" / name
+    return a
 
 
-def measure(a: argparse.Namespace, numel: int, payload: float) -> tuple[float, float, dict]:
+def measure(
+    a: argparse.Namespace, numel: int, payload: float, rate_mbit: float | None
+) -> tuple[float, float, dict]:
     """Steps 1-3 of the docstring in a temp folder: the compute-only step seconds, the link
-    rate chosen from them, and each overlap mode's run; every log printed if one fails."""
+    rate (`rate_mbit`, or chosen from them), and each overlap mode's run; every log printed if
+    one fails."""
     from prime_netbed import WanBed
 
     from prime_testkit import Children
 
-    h = a.inner_steps
+    h = a.inner_steps // a.fragments  # steps between two syncs
     with tempfile.TemporaryDirectory() as tmp:
         runs, cache, logs = Path(tmp) / "runs", Path(tmp) / "cache", Path(tmp) / "logs"
         logs.mkdir()
         print(f"model dim {a.dim} x {a.layers} layers: {numel / 1e6:.2f}M parameters; "
-              f"batch {a.batch} x {SEQ} tokens, H={h}, {a.steps} steps", flush=True)  # fmt: skip
+              f"batch {a.batch} x {SEQ} tokens, H={a.inner_steps}, {a.fragments} fragment(s), "
+              f"{a.compression}{' + EF' if a.error_feedback else ''}, {a.steps} steps",
+              flush=True)  # fmt: skip
         subprocess.run(
             train_args(a, runs, cache, "warm-cache", 1),
             env=node_env(0),
@@ -231,7 +268,7 @@ def measure(a: argparse.Namespace, numel: int, payload: float) -> tuple[float, f
                     step_s = compute_only(a, bed, children, runs, cache, logs)
                 finally:
                     children.kill_all()
-            rate = a.rate or 8 * payload / (a.share * h * step_s) / 1e6
+            rate = rate_mbit or 8 * payload / (a.share * h * step_s) / 1e6
             print(f"compute-only: {step_s * 1e3:.0f} ms per step, {h * step_s:.2f} s per round; "
                   f"payload {payload / 1e6:.2f} MB per node per round -> link {rate:.2f} Mbit/s",
                   flush=True)  # fmt: skip
@@ -250,18 +287,21 @@ def measure(a: argparse.Namespace, numel: int, payload: float) -> tuple[float, f
         finally:
             if a.keep:
                 shutil.copytree(
-                    tmp, a.keep, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.npy", "ckpt*")
+                    tmp,
+                    a.keep / f"{rate_mbit or 'share'}",
+                    dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.npy", "ckpt*"),
                 )
     return step_s, rate, results
 
 
-def report(a: argparse.Namespace, step_s: float, rate: float, results: dict) -> None:
+def report(a: argparse.Namespace, step_s: float, rate: float, results: dict) -> tuple[dict, dict]:
     """The figures of both modes, from the compute-only step time measured inside the runs."""
-    h = a.inner_steps
+    h = a.inner_steps // a.fragments  # a round: the steps between two syncs
     in_run_s = in_run_step_seconds(list(results.values()), a)
     none, dl = figures(results["none"], in_run_s, h), figures(results["delayed"], in_run_s, h)
     share = none["allreduce_s"] / (h * in_run_s)
-    png = plot(results, a.png)
+    png = plot(results, a.png.with_stem(f"{a.png.stem}_{rate:g}mbit") if a.rate else a.png)
     print()
     print(f"compute-only step {step_s * 1e3:.0f} ms before the runs, {in_run_s * 1e3:.0f} ms in "
           f"the runs' windows without an outer step (used below: the machine is shared)")  # fmt: skip
@@ -272,6 +312,7 @@ def report(a: argparse.Namespace, step_s: float, rate: float, results: dict) -> 
     for label, key, fmt in (
         ("compute utilisation H*t/round", "utilisation", "{:12.3f}"),
         ("  trainer's inner compute/wall", "trainer_utilisation", "{:12.3f}"),
+        ("  median round's compute/wall", "round_utilisation", "{:12.3f}"),
         ("median round wall (s)", "round_s", "{:12.2f}"),
         ("median all-reduce (s)", "allreduce_s", "{:12.2f}"),
         ("loop wall (s)", "loop_s", "{:12.1f}"),
@@ -288,6 +329,7 @@ def report(a: argparse.Namespace, step_s: float, rate: float, results: dict) -> 
     print(f"compute utilisation: none {none['utilisation']:.3f}, delayed {dl['utilisation']:.3f} "
           f"(goal >= 0.95 with overlap)")  # fmt: skip
     print(f"plot: {png}")
+    return none, dl
 
 
 def main() -> None:
@@ -305,9 +347,24 @@ def main() -> None:
 
     with torch.device("meta"):
         numel = num_params(Transformer(model_args("debug", dim=a.dim, n_layers=a.layers)))
-    payload = ring_bytes(numel, world=2) / 4 * 1.02  # uint8 plus codebooks, per node
-    step_s, rate, results = measure(a, numel, payload)
-    report(a, step_s, rate, results)
+    bits = {"none": 32, "uint8": 8, "uint4": 4, "uint2": 2}[a.compression]
+    # one sync's bytes per node (one fragment's), with codebooks
+    payload = ring_bytes(numel, world=2) * bits / 32 * 1.02 / a.fragments
+    table = []
+    for rate_mbit in a.rate or [None]:
+        step_s, rate, results = measure(a, numel, payload, rate_mbit)
+        table.append((rate, *report(a, step_s, rate, results)))
+    if len(table) > 1:
+        print(f"\nsummary ({a.fragments} fragment(s), {a.compression}"
+              f"{' + EF' if a.error_feedback else ''}, H={a.inner_steps}):")  # fmt: skip
+        print(f"{'Mbit/s':>8}{'util none':>11}{'util delayed':>14}{'round c/w none':>16}"
+              f"{'round c/w delayed':>19}{'loop s none':>13}{'loop s delayed':>16}"
+              f"{'held-out d/n':>14}")  # fmt: skip
+        for rate, none, dl in table:
+            print(f"{rate:8g}{none['utilisation']:11.3f}{dl['utilisation']:14.3f}"
+                  f"{none['round_utilisation']:16.3f}{dl['round_utilisation']:19.3f}"
+                  f"{none['loop_s']:13.1f}{dl['loop_s']:16.1f}"
+                  f"{dl['heldout'] / none['heldout']:14.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

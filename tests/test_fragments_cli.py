@@ -2,7 +2,10 @@
 debug model, one fragment synced every 5 inner steps. Every sync is an outer-step row naming
 its fragment and bytes, with the same outer weights' hash on both nodes; both nodes told to
 stop mid-round leave at once with the last committed sync (their local weights of the other
-fragments included), and the resumed run reproduces the uninterrupted one exactly. A node
+fragments included), and the resumed run reproduces the uninterrupted one exactly. With
+`--diloco.overlap delayed` each fragment's sync is applied at the next sync point (its row one
+sync later, the last two at the last step); told to stop mid-round, the nodes stop at the
+round's end with that fragment's sync in flight, checkpoint it, and resume exactly too. A node
 joining a running job of two fragments enters at the fragment of the committed count and
 holds the members' hash from there on."""
 
@@ -37,13 +40,15 @@ ARGS = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, children):
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, children, overlap):
     go = tmp_path / "go"
+    delayed = overlap == "delayed"
 
     def run_pair(runs, stop=False):
-        def mid_round() -> bool:  # outer step 2 (step 10) committed, held before step 13
+        def mid_round() -> bool:  # the sync of step 10 started, held before step 13
             rows = node_metrics(runs / "debug")
-            if 2 in outer_hashes(rows) and any(r["step"] >= 12 for r in rows):
+            if (1 if delayed else 2) in outer_hashes(rows) and any(r["step"] >= 12 for r in rows):
                 go.touch()  # (the stop signal follows at once: it lands mid-round)
                 return True
             return False
@@ -54,6 +59,7 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
 
         return run_local_nodes(children, token=TOKEN,
                                args=debug_args(runs, token_cache, *ARGS,
+                                               "--diloco.overlap", overlap,
                                                "--launch.local_nodes", "2"),
                                logs=[runs.parent / f"{runs.name}-{k}.log" for k in range(2)],
                                stop_when=mid_round if stop else None,
@@ -63,7 +69,10 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
     assert run_pair(full) == [0, 0], log_tails(tmp_path)
     rows = [outer_rows(node_metrics(full / "debug", k)) for k in range(2)]
     for k in range(2):  # a sync every 5 steps, fragments in turn, the same hash on both
-        assert [r["step"] for r in rows[k]] == [5, 10, 15, 20]
+        # (delayed: each applied at the next sync point, the last one by the last step)
+        assert [r["step"] for r in rows[k]] == ([10, 15, 20, 20] if delayed else [5, 10, 15, 20])
+        if delayed:
+            assert [r["round_step"] for r in rows[k]] == [5, 10, 15, 20]
         assert [r["outer_step"] for r in rows[k]] == [1, 2, 3, 4]
         assert [r["fragment"] for r in rows[k]] == [0, 1, 2, 0]
         assert all(r["bytes_sent"] > 0 for r in rows[k])
@@ -76,10 +85,14 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
     assert run_pair(split, stop=True) == [0, 0], log_tails(tmp_path)
     for k in range(2):
         log = (tmp_path / f"split-{k}.log").read_text()
-        assert "left the mesh and checkpointed step 10" in log, log[-2000:]
+        if delayed:  # at the round's end, with the sync of step 15 in flight
+            assert "SIGTERM received: stopped after step 15" in log, log[-2000:]
+        else:
+            assert "left the mesh and checkpointed step 10" in log, log[-2000:]
     assert run_pair(split) == [0, 0], log_tails(tmp_path)
     for k in range(2):
-        a, b = trace(node_metrics(full / "debug", k)), trace(node_metrics(split / "debug", k))
+        a, b = (trace(node_metrics(runs / "debug", k), with_outer_step=True)
+                for runs in (full, split))  # fmt: skip
         assert a == b, (
             f"node {k}: resumed run differs: {sorted(set(a.items()) ^ set(b.items()))[:6]}"
         )

@@ -1,8 +1,13 @@
 """Streaming outer steps (`[diloco] fragments = F`): the strided assignment, the schedule that
 follows the committed count, the config's refusals, the F = 1 hash, and the outer math of two
 fragments against hand-computed values over a real 2-process gloo group (fixed updates, no
-compression)."""
+compression), with and without overlap (`overlap = "delayed"`: each fragment's all-reduce
+starts at its sync point and is applied at the next one, H / F inner steps later, one fragment
+in flight; the synced fragment's replica is rebased on the new outer weights keeping the
+progress made while it was in flight; a run resumed from a checkpoint taken with a fragment in
+flight ends exactly as the uninterrupted one)."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -12,9 +17,10 @@ import torch.distributed as dist
 from prime_testkit import WorldMesh, free_port, gloo_world
 from prime_train.config import Config, DilocoConfig
 from prime_train.config_load import check_combined
-from prime_train.diloco import Diloco, OuterOptimizer
+from prime_train.diloco import DelayedDiloco, Diloco, OuterOptimizer
 from prime_train.diloco.fragments import fragment_of, order
 from prime_train.errors import ConfigError
+from prime_train.metrics import Metrics, read_metrics
 from prime_train.model import Transformer, model_args
 
 
@@ -38,9 +44,8 @@ def test_config_refusals_and_hash():
     assert on.fingerprint_hash() != Config(diloco=DilocoConfig(inner_steps=6)).fingerprint_hash()
     with pytest.raises(ValueError, match="fragments = 4 must divide inner_steps = 6"):
         DilocoConfig(inner_steps=6, fragments=4)
-    with pytest.raises(ValueError, match="needs overlap = 'none' and round_seconds = 0"):
-        DilocoConfig(inner_steps=6, fragments=2, overlap="delayed")
-    with pytest.raises(ValueError, match="needs overlap = 'none' and round_seconds = 0"):
+    DilocoConfig(inner_steps=6, fragments=2, overlap="delayed")  # streaming with overlap
+    with pytest.raises(ValueError, match="needs round_seconds = 0"):
         DilocoConfig(inner_steps=6, fragments=2, round_seconds=5.0)
     cfg = Config.model_validate(
         {"model": {"n_layers": 2}, "diloco": {"inner_steps": 6, "fragments": 3}}
@@ -141,3 +146,117 @@ def test_one_fragment_is_todays_layout():
     one = Diloco(DilocoConfig(), SimpleNamespace(state="joining"), params, names=names)
     assert one.optimizer.digest() == OuterOptimizer(params).digest()
     assert one.period == DilocoConfig().inner_steps
+
+
+CFG = {"inner_steps": 4, "fragments": 2, "compression": "none", "overlap": "delayed",
+       "outer_lr": 0.5, "outer_momentum": 0.5}  # fmt: skip
+
+
+def _round(model, rank):
+    """A round's inner steps (H / F = 2): +1 on rank 0, +3 on rank 1, every weight."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0 + 2.0 * rank)
+
+
+def _outer(model, path):
+    metrics = Metrics(path)
+    metrics.open(0)
+    names = [n for n, _ in model.named_parameters()]  # embed, head, layers.0, layers.1
+    return DelayedDiloco(DilocoConfig(**CFG), WorldMesh(), list(model.parameters()),
+                         metrics=metrics, names=names)  # fmt: skip
+
+
+def _layout(outer):
+    local = torch.empty_like(outer.optimizer.weights)
+    outer.optimizer.copy_model_into(local)  # the model's weights in the outer layout
+    return local.tolist()
+
+
+def _delayed_worker(rank, world, port, folder, q):
+    torch.set_num_threads(1)
+    gloo_world(rank, world, port)
+    try:
+        model = Tiny()
+        outer = _outer(model, folder / f"a{rank}.jsonl")
+        out: dict = {"outer": [], "model": [], "keys": []}
+        saved = None
+        for sync in range(3):  # sync points after inner steps 2, 4, 6
+            _round(model, rank)
+            outer.start(2 * (sync + 1))
+            out["outer"].append(outer.optimizer.weights.tolist())
+            out["model"].append(_layout(outer))
+            state = outer.state_dict()  # (waits for the fragment in flight)
+            out["keys"].append((sorted(state), sorted(state["round"])))
+            if sync == 1:  # a checkpoint with fragment 1 in flight, and the replica
+                saved = (copy.deepcopy(state), [p.detach().clone() for p in model.parameters()])
+        outer.finish()
+        out["final"] = outer.optimizer.weights.tolist()
+        out["final_model"] = _layout(outer)
+        out["rows"] = [r for r in read_metrics(folder / f"a{rank}.jsonl") if "outer_step" in r]
+        # resume from the checkpoint of sync 2 in a fresh process state: the same end
+        assert saved is not None
+        model2 = Tiny()
+        with torch.no_grad():
+            for p, v in zip(model2.parameters(), saved[1], strict=True):
+                p.copy_(v)
+        outer2 = _outer(model2, folder / f"b{rank}.jsonl")
+        outer2.load_state_dict(saved[0])
+        _round(model2, rank)
+        outer2.start(6)
+        outer2.finish()
+        out["resumed"] = outer2.optimizer.weights.tolist()
+        out["resumed_rows"] = [r for r in read_metrics(folder / f"b{rank}.jsonl")
+                               if "outer_step" in r]  # fmt: skip
+        q.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_fragments_with_overlap_by_hand(children, tmp_path):
+    world, port = 2, free_port()
+    q = children.queue()
+    for r in range(world):
+        children.process(_delayed_worker, r, world, port, tmp_path, q)
+    results = dict(q.get(timeout=100) for _ in range(world))
+    a, b = results[0], results[1]
+    rows = [[(r["outer_step"], r["step"], r["round_step"], r["fragment"]) for r in x["rows"]]
+            for x in (a, b)]  # fmt: skip
+    # sync points 2, 4, 6 start fragments 0, 1, 0 (the committed count's); each is applied at
+    # the next sync point, the last one by `finish` at the last step
+    assert rows[0] == rows[1] == [(1, 4, 2, 0), (2, 6, 4, 1), (3, 6, 6, 0)]
+    assert [r["outer_sha256"] for r in a["rows"]] == [r["outer_sha256"] for r in b["rows"]]
+    assert len({r["outer_sha256"] for r in a["rows"]}) == 3
+    # layout: embed[0], embed[1], layers.0 (fragment 0) | head, layers.1 (fragment 1); init
+    # [1, 2, 10 | 5, 20]. d = +1 (rank 0) / +3 (rank 1) per round, +2 on average.
+    init = [1.0, 2.0, 10.0, 5.0, 20.0]
+    assert a["outer"][0] == init  # sync 1 (step 2): fragment 0 in flight, nothing applied
+    assert a["model"][0] == [x + 1.0 for x in init] and b["model"][0] == [x + 3.0 for x in init]
+    # sync 2 (step 4): fragment 0's average (g = -2, one round) applied
+    w0, m0 = _step(0.0, -2.0, 0.0)  # the move of each weight of fragment 0: +1.5
+    assert w0 == pytest.approx(1.5)
+    assert a["outer"][1] == pytest.approx([1 + w0, 2 + w0, 10 + w0, 5.0, 20.0])
+    # fragment 0's replica: the new outer weights plus the round it trained while in flight
+    # (one d); fragment 1 is untouched (two rounds of d), now in flight
+    for x, d in ((a, 1.0), (b, 3.0)):
+        assert x["model"][1] == pytest.approx([1 + w0 + d, 2 + w0 + d, 10 + w0 + d,
+                                               5 + 2 * d, 20 + 2 * d])  # fmt: skip
+    # sync 3 (step 6): fragment 1's average, two rounds since the start: g = -4
+    w1, _ = _step(0.0, -4.0, 0.0)  # +3
+    assert a["outer"][2] == pytest.approx([1 + w0, 2 + w0, 10 + w0, 5 + w1, 20 + w1])
+    for x, d in ((a, 1.0), (b, 3.0)):  # fragment 1 rebased (one round in flight: + d)
+        assert x["model"][2] == pytest.approx([1 + w0 + 2 * d, 2 + w0 + 2 * d, 10 + w0 + 2 * d,
+                                               5 + w1 + d, 20 + w1 + d])  # fmt: skip
+    # finish: fragment 0's second sync (two rounds since it was last rebased: g = -4, with
+    # its momentum m0 carried), then the model is the outer weights
+    w2, _ = _step(w0, -4.0, m0)
+    final = [1 + w2, 2 + w2, 10 + w2, 5 + w1, 20 + w1]
+    assert a["final"] == pytest.approx(final) and b["final"] == pytest.approx(final)
+    assert a["final_model"] == pytest.approx(final)
+    # a checkpoint's keys are the same at every sync (a joiner loads any of them)
+    assert len({repr(k) for k in a["keys"]}) == 1
+    # resumed from sync 2's checkpoint (fragment 1 in flight): the same rows and weights
+    assert a["resumed"] == a["final"] and b["resumed"] == b["final"]
+    same = [(r["outer_step"], r["fragment"], r["outer_sha256"]) for r in a["rows"][1:]]
+    assert [(r["outer_step"], r["fragment"], r["outer_sha256"]) for r in a["resumed_rows"]] == same

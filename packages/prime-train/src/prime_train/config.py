@@ -261,8 +261,9 @@ class DilocoConfig(Section):
         ge=1,
         description="F: streaming outer steps. The layers are split into F strided fragments "
         "(layer i in fragment i % F) and one fragment syncs every inner_steps / F steps, each "
-        "sync its own outer step; every parameter still syncs once every inner_steps. 1: the "
-        "whole model at once",
+        "sync its own outer step; every parameter still syncs once every inner_steps. With "
+        "overlap = 'delayed' each fragment's all-reduce runs behind the inner_steps / F steps "
+        "to the next fragment's sync point, where it is applied. 1: the whole model at once",
     )
     sync_timeout_s: float = Field(
         0.0,
@@ -316,10 +317,10 @@ class DilocoConfig(Section):
                 f"fragments = {self.fragments} must divide inner_steps = {self.inner_steps} "
                 "(a fragment syncs every inner_steps / fragments inner steps)"
             )
-        if self.fragments > 1 and (self.overlap != "none" or self.round_seconds > 0):
+        if self.fragments > 1 and self.round_seconds > 0:
             raise ValueError(
-                f"fragments = {self.fragments} needs overlap = 'none' and round_seconds = 0 "
-                "(streaming fragments are synchronous, fixed-length rounds for now)"
+                f"fragments = {self.fragments} needs round_seconds = 0 (streaming fragments "
+                "sync at fixed inner steps for now)"
             )
         if self.round_seconds > 0 and self.min_inner_steps > self.inner_steps:
             raise ValueError(

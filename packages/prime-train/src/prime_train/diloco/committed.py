@@ -13,7 +13,9 @@ clock, ...).
 
 With streaming fragments (`[diloco] fragments` > 1) the model at a committed sync is not the
 outer weights (the other fragments hold local progress since their own syncs): the record
-then also keeps a host copy of the model's weights there, and puts those back.
+then also keeps a host copy of the model's weights there, and puts those back (with
+`overlap = "delayed"` the fragment in flight there is dropped with them: the resumed run
+syncs that fragment again at its next sync point, every node alike).
 """
 
 from __future__ import annotations
@@ -69,9 +71,8 @@ class CommittedState:
         node already holds a checkpoint of it)."""
         if self.step in run.ckpt.committed_steps():
             return
-        if self.model is None:
-            outer.rollback_to_outer()
-        else:
+        outer.rollback_to_outer()  # (with overlap: drops the round in flight, as failed)
+        if self.model is not None:  # fragments: the other fragments' local progress back
             with torch.no_grad():
                 for p, saved in zip(run.params, self.model, strict=True):
                     local_tensor(p).copy_(saved)

@@ -25,6 +25,20 @@ began. With θ the model (the local replica):
 A failed all-reduce votes no: the round is dropped on every node (O unchanged, each replica
 gives back its own contribution) and the next round's sync point re-forms the group.
 
+With `[diloco] fragments = F` > 1 (streaming, `diloco/fragments.py`) a round is H / F inner
+steps and syncs one fragment: its all-reduce starts at its sync point and runs behind the H / F
+inner steps until the next fragment's sync point, where it is applied (to that fragment's
+outer weights, momentum and replica range only) right before the next fragment's starts; so
+exactly one fragment is in flight, and each fragment still syncs once every H steps. Why that
+delay and not a shorter one: the next sync point is the one place the main thread meets the
+mesh anyway, a fragment's traffic has the whole H / F steps to hide behind (1/F of the bytes
+of a whole-model round in 1/F of its time: the same bandwidth need as whole-model overlap),
+and a fragment's update landing H / F steps late is small against the H steps it covers. The
+fragment a round syncs is the committed count's (`outer_steps % F` once the previous round is
+applied), as on every node; a dropped round leaves the count, so the next sync point syncs the
+same fragment again, on every node alike. X and P stay whole-model buffers (only the fragment
+in flight's range is meaningful), so a checkpoint's keys are the same at every sync point.
+
 With error feedback (`diloco/error_feedback.py`) the background thread sends P plus the
 node's residual and, when the vote commits, keeps the round's new residual at once: a
 checkpoint of a committed, unapplied round holds the residual that round left, as the
@@ -78,8 +92,23 @@ class DelayedDiloco(Diloco):
         """A joiner's first round (see the seam): its zero pseudo-gradient's round, settled at
         once. JoinedLate if it was admitted after a later round than the state it loaded."""
         self.feedback.reset()
+        self._settle_loaded()
         self._start(step, contributing=False)
         return self.finish()
+
+    def _settle_loaded(self) -> None:
+        """A joiner whose snapshot holds the donor's finished, unapplied round (no update
+        replayed since, which would have dropped it): apply it, or drop it, as the members do
+        at the sync point this joiner enters at, before it is admitted there. No row: its
+        report would read the mesh, not this node's yet; the next sync's row has the hash."""
+        rnd, self._round = self._round, dict(_NO_ROUND)
+        if rnd["state"] != "committed":
+            if rnd["state"] != "none" and self.data is not None:
+                self.data.drop()
+            return
+        self.part.apply(to_model=False)
+        self._commit_data(rnd["consumed"], rnd["members"])
+        self.totals["outer_steps"] += 1
 
     def _start(self, step: int, contributing: bool) -> None:
         opt = self.optimizer
@@ -88,18 +117,23 @@ class DelayedDiloco(Diloco):
         if self.data is not None:
             self.data.end_round()
         if self._round["state"] != "none":
-            self._apply_round(step, waited)
-            # θ <- θ + (O' - X): the round start becomes the new outer weights' offset
-            torch.sub(opt.weights, self.round_start, out=self.round_start)
-            opt.shift_model(self.round_start)
+            applied = self._apply_round(step, waited)
+            # θ <- θ + (O' - X) over the fragment the round synced (the whole model when F = 1):
+            # the round start becomes the new outer weights' offset
+            span = self.fragments.span(self.outer_steps - (applied is not None))
+            torch.sub(opt.weights[span], self.round_start[span], out=self.round_start[span])
+            self.fragments.part(self.outer_steps - (applied is not None)).shift_model(
+                self.round_start
+            )
         else:  # the first round (or the first after a settle): no update to apply yet
             self.rounds.end_round()
         reads = self.data.uncommitted() if self.data is not None else None
         contributing = contributing and (reads is None or any(reads))  # read nothing: no part
-        opt.compute_pseudo_gradient()  # P = O' - θ
+        part = self.part  # this round's fragment: the committed count's, as every node's
+        part.compute_pseudo_gradient()  # P = O' - θ
         if not contributing:
-            opt.pseudo_gradient.zero_()
-        opt.copy_model_into(self.round_start)  # X = θ
+            part.pseudo_gradient.zero_()
+        part.copy_model_into(self.round_start)  # X = θ (that fragment's range of the buffer)
         self._round = dict(_NO_ROUND, state="running", step=step,
                            inner_steps=self.round_inner_steps)  # fmt: skip
         self.round_inner_steps = 0
@@ -195,13 +229,14 @@ class DelayedDiloco(Diloco):
             return None
         if rnd["late"] and not self._catch_up_in_place(int(rnd["behind"])):
             raise JoinedLate(rnd["late"])  # the members committed; this joiner leaves
-        self.optimizer.apply(to_model=False)
+        fragment = self.fragments.index(self.outer_steps)  # (before it counts)
+        self.part.apply(to_model=False)
         data = self._commit_data(rnd["consumed"], rnd["members"])
         stats = prime_comm.AllReduceStats(
             bytes_sent=int(rnd["bytes_sent"]),
             bytes_received=0,
             seconds=float(rnd["allreduce_seconds"]),
-            numel=self.optimizer.weights.numel(),
+            numel=self.fragments.numel(fragment),
             world_size=int(rnd["nodes"]),
             compression=self.cfg.compression,
         )
@@ -215,6 +250,7 @@ class DelayedDiloco(Diloco):
             extra={
                 "round_step": int(rnd["step"]),
                 "waited_s": waited,
+                **({"fragment": fragment} if self.fragments.count > 1 else {}),
                 **(data or {}),
                 **self.feedback.metrics(),
                 **round_counts(int(rnd["inner_steps"]), self.data, rnd["consumed"], rnd["counted"]),

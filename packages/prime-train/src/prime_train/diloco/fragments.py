@@ -13,6 +13,9 @@ averaged, the outer Nesterov step applied to that fragment's outer weights and m
 only, and that fragment's local weights reset to its new outer weights; every parameter is
 still synced once every H inner steps.
 
+With `overlap = "delayed"` each fragment's sync is applied at the next sync point, its
+all-reduce in flight meanwhile (`diloco/delayed.py`).
+
 So that each fragment is one contiguous range of the flat outer buffers (one all-reduce, one
 slice of the residual), the parameters are laid out fragment by fragment (`order`); with F
 = 1 the order, the layout and so every hash are today's.
