@@ -190,6 +190,14 @@ class MeshConfig(Section):
         "joiners, Mbit/s, all joiners together (0: no cap); default: half a 1 Gbit/s uplink, "
         "so a transfer never starves the members' all-reduce. Set it to about half your link",
     )
+    fetch_mbit: float | None = Field(
+        None,
+        ge=0.0,
+        description="cap on the rate a joiner fetches its snapshot while it listens, Mbit/s, "
+        "from all donors together (0: no cap); default: 1.5 x serve_mbit, three quarters of "
+        "the link when serve_mbit is half of it, so the mesh's own messages still get through. "
+        "The fetch holds off anyway while the round's all-reduce runs",
+    )
     node_name: str | None = Field(
         None,
         description="this node's name in the run, unique, the same across restarts (default: "
