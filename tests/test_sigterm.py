@@ -46,6 +46,7 @@ def test_sigterm_mid_round_leaves_at_once_and_the_same_command_rejoins(
 
     a, b = tmp_path / "a", tmp_path / "b"
     pa, pb = start(a), start(b)
+
     # mid-round: a few steps past the first boundary (a signal that lands while the boundary's
     # bookkeeping runs is a stop at that boundary, a different story)
     def into_round_two() -> bool:
