@@ -194,9 +194,9 @@ class MeshConfig(Section):
         None,
         ge=0.0,
         description="cap on the rate a joiner fetches its snapshot while it listens, Mbit/s, "
-        "from all donors together (0: no cap); default: 1.5 x serve_mbit, three quarters of "
-        "the link when serve_mbit is half of it, so the mesh's own messages still get through. "
-        "The fetch holds off anyway while the round's all-reduce runs",
+        "from all donors together (0: no cap); default: 2 x serve_mbit, the whole link when "
+        "serve_mbit is half of it. The fetch holds anyway while each round's all-reduce "
+        "runs; set it lower to leave room for other traffic on the joiner's link",
     )
     node_name: str | None = Field(
         None,

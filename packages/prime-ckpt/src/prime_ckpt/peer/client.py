@@ -20,7 +20,7 @@ _READ = 1 << 20
 # Paced reads (`pace` given): small reads and a small receive window, so that a paused reader
 # stops its donor within a fraction of a second instead of after megabytes in flight
 _PACED_READ = 16 << 10
-_PACED_RCVBUF = 32 << 10
+_PACED_RCVBUF = 16 << 10
 
 
 def normalize_url(url: str) -> str:

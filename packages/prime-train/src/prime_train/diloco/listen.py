@@ -17,7 +17,7 @@ round on it listens:
   (what their log entry of that round holds), on disk (packed, ~1.25 B/param per round;
   uint8 compression), with the round's counted reads and members (a few numbers, in RAM).
 - Meanwhile local rank 0 fetches the snapshot in the background (`snapshot.Background`), from
-  one donor at a time (at its cap, about half a link, the all-reduce keeps the other half):
+  every member at once, holding while each round's all-reduce runs (`collective`):
   the members' first checkpoint newer than the newest they offered before it said ready. The
   members checkpoint at the round that admitted a node (`Diloco.joiners_waiting`), so the
   snapshot is of that boundary (or the one before): the rounds between it and the first round
@@ -159,7 +159,7 @@ class Listener:
         self._got = got
 
     def collective(self) -> AbstractContextManager[None]:
-        """Around the round's all-reduce: the snapshot under way holds off (`LinkGate`)."""
+        """Around the round's all-reduce: the snapshot under way holds (`LinkGate`)."""
         gate = getattr(self.record.pending, "gate", None)  # (local rank 0's fetch)
         return gate.held() if gate is not None and not self.loaded else nullcontext()
 
@@ -287,8 +287,8 @@ def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Jo
 
 def fetch_rate(mesh: MeshConfig) -> float | None:
     """A listener's cap on its snapshot's fetch, bytes/s (None: none): `mesh.fetch_mbit`, by
-    default 1.5 x `mesh.serve_mbit`."""
-    mbit = mesh.fetch_mbit if mesh.fetch_mbit is not None else 1.5 * mesh.serve_mbit
+    default 2 x `mesh.serve_mbit` (the whole link when the donors serve at half of it)."""
+    mbit = mesh.fetch_mbit if mesh.fetch_mbit is not None else 2 * mesh.serve_mbit
     return mbit * 1e6 / 8 or None
 
 

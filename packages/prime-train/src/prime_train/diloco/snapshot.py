@@ -173,7 +173,8 @@ def fetch_members_state(
                     list(names),
                     ckpt_dir,
                     token=token,
-                    connections=max(4, 2 * len(names)),
+                    # paced: one per donor, so that little is in flight when it holds
+                    connections=len(names) if pace else max(4, 2 * len(names)),
                     chunk_bytes=CHUNK_BYTES,
                     shared=shared,
                     pace=pace,
