@@ -190,3 +190,59 @@ def test_local_launcher_restarts_a_killed_coordinator(tmp_path, token_cache, chi
     for k, r in outer[0].items():
         assert r["outer_sha256"] == outer[1][k]["outer_sha256"], k
     assert outer[0][STEPS // H]["epoch"] == 2, "re-formed once, by the restarted coordinator"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_coordinator_restarted_while_a_joiner_listens(tmp_path, token_cache, children):
+    """A joiner admitted before its snapshot came listens while the snapshot crawls (its one
+    member serves at 3 Mbit/s: ~8.7 MB in ~25 s); the coordinator is SIGKILLed and restarted
+    on the same port meanwhile. The restarted coordinator re-forms the run from the nodes at
+    the newest outer step: the listener, holding no state of its own yet, is sent away. It
+    registers again by itself and listens again (a new snapshot in the background), then
+    enters with the member's outer weights: its outer hash equals the member's at every
+    outer step it took. 55 s on 2 shared cores."""
+    port = free_port()
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN, 1)
+    member_dir, joiner_dir = tmp_path / "node0", tmp_path / "joiner"
+    slow = ("--mesh.serve_mbit", "3")
+    endless = {"coordinator": f"127.0.0.1:{port}", "host": "127.0.0.1", "token": TOKEN,
+               "cache": token_cache, "steps": 5000, "inner_steps": H, "args": slow}  # fmt: skip
+    member = start_cli_node(children, member_dir, **endless)
+    wait_until(lambda: 1 in outer_by_step(folder_metrics(member_dir)) or member.poll() is not None,
+               240, what="the member's first outer step")  # fmt: skip
+    joiner = start_cli_node(children, joiner_dir, **endless)
+    procs = (member, joiner)
+
+    def listened() -> bool:  # a round committed with the joiner in, before its snapshot came
+        rows = outer_by_step(folder_metrics(member_dir)).values()
+        return any(r["nodes"] == 2 for r in rows) or any(p.poll() is not None for p in procs)
+
+    wait_until(listened, 180, what="a round with the listening joiner")
+    assert all(p.poll() is None for p in procs), log_tails(tmp_path)
+    assert not [r for r in folder_metrics(joiner_dir) if r.get("joined")], "snapshot too fast"
+    coord.send_signal(signal.SIGKILL)
+    coord.wait(timeout=30)
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN, 1)
+
+    def contributed() -> bool:
+        rows = outer_by_step(folder_metrics(joiner_dir)).values()
+        return any(r["contributors"] == 2 for r in rows) or any(p.poll() is not None for p in procs)
+
+    wait_until(contributed, 240, what="a round the joiner contributed to")
+    for p in procs:  # each stops at its next outer boundary
+        p.send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in procs]
+    coord.send_signal(signal.SIGTERM)
+    coord.wait(timeout=30)
+    assert codes == [0, 0], log_tails(tmp_path)
+    joined = [r for r in folder_metrics(joiner_dir) if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["listened"] >= 1, (joined, log_tails(tmp_path))
+    assert joined[0]["late_admissions"] == 1, joined  # sent away once, by the restart
+    assert "lost its place while listening" in (tmp_path / "joiner.log").read_text()
+    mine, theirs = (outer_by_step(folder_metrics(f)) for f in (joiner_dir, member_dir))
+    shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
+    assert shared, log_tails(tmp_path)
+    for k in shared:
+        assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
+    assert max(r["epoch"] for r in theirs.values()) >= 2, "re-formed by the restarted coordinator"

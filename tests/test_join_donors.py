@@ -3,6 +3,9 @@ replaced by the others; a snapshot the update logs no longer reach is replaced b
 a node with another model setting is refused with a line naming it; the members report what
 the join cost them (issue #24). Through the CLI, each node its own process in its own folder.
 
+The first test kills a donor while a listener (admitted before its snapshot came) fetches it;
+the second, below, takes the fallback path (the snapshot fetched before it says ready):
+
 Three members cap their serving rate (`mesh.serve_mbit`) so the snapshot takes seconds; a
 fourth node joins; one member is SIGKILLed while the snapshot comes. The members keep one
 round of updates (`diloco.replay_rounds 1`) and the joiner, by a fault hook, lets go of its
@@ -42,6 +45,58 @@ def waiting_at(log: Path) -> int | None:
     if marker not in text:
         return None
     return int(text.split(marker, 1)[1].split(",", 1)[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_listeners_donor_killed_mid_transfer_the_rest_comes_from_the_others(
+    tmp_path, token_cache, children
+):
+    """Early admission: the joiner listens while its snapshot comes from the three members at
+    once; the one whose checkpoint it takes is SIGKILLed mid-transfer. It takes another
+    member's checkpoint of the same step, keeping the shared bytes in, and enters with the
+    survivors' outer weights. 38 s on 2 shared cores."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
+    try:
+        members = []
+        for k in range(3):
+            members.append(start_cli_node(children, tmp_path / f"node{k}",
+                                          coordinator=coord.address, cache=token_cache, **NODE))  # fmt: skip
+            wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
+        n1, n3 = tmp_path / "node1", tmp_path / "node3"
+        wait_until(lambda: 2 in outer_by_step(folder_metrics(n1)) or members[1].poll() is not None,
+                   240, what="the members' second outer step")  # fmt: skip
+        joiner = start_cli_node(children, n3, coordinator=coord.address, cache=token_cache, **NODE)
+        wait_until(lambda: transfer_under_way(n3) or joiner.poll() is not None, 240,
+                   interval=0.02, what="the joiner's snapshot transfer")  # fmt: skip
+        listening = "admitted before its snapshot arrived" in (tmp_path / "node3.log").read_text()
+        members[0].send_signal(signal.SIGKILL)  # a donor (the first offered: its checkpoint)
+        members[0].wait(timeout=30)
+        survivors = (members[1], members[2], joiner)
+
+        def joiner_contributed() -> bool:
+            rows = outer_by_step(folder_metrics(n3)).values()
+            return any(r["contributors"] == 3 for r in rows) or any(
+                p.poll() is not None for p in survivors
+            )
+
+        wait_until(joiner_contributed, 240, what="a round the joiner contributed to")
+        for p in survivors:  # each stops at its next outer boundary
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in survivors]
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    assert listening, "the joiner was not listening when the donor was killed"
+    (row,) = [r for r in folder_metrics(n3) if r.get("joined")]
+    assert row["listened"] >= 1 and row["snapshots"] == 1, row
+    assert len([n for n in row["snapshot_donors"].values() if n > 0]) >= 2, row
+    assert "dropped donor" in (tmp_path / "node3.log").read_text(), log_tails(tmp_path)
+    mine, theirs = outer_by_step(folder_metrics(n3)), outer_by_step(folder_metrics(n1))
+    shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
+    assert shared, log_tails(tmp_path)
+    for k in shared:
+        assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
 
 
 @pytest.mark.slow

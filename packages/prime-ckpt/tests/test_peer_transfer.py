@@ -14,7 +14,13 @@ from prime_ckpt.manifest import (
     step_dirname,
     verify_dir,
 )
-from prime_ckpt.peer import PeerError, PeerGoneError, fetch_from_peer, serve_directory
+from prime_ckpt.peer import (
+    PeerError,
+    PeerGoneError,
+    fetch_checkpoint,
+    fetch_from_peer,
+    serve_directory,
+)
 from prime_ckpt.peer.fetch import partial_dirname
 from prime_ckpt.peer.transfer import JOURNAL
 from prime_testkit import donor_processes, make_checkpoint, wait_until
@@ -84,6 +90,35 @@ def test_round_trip_parallel_connections(tmp_path):
     assert sorted(os.listdir(tmp_path / "dest")) == sorted([newer, step_dirname(4)])
     assert sorted(os.listdir(tmp_path / "dest" / step_dirname(4))) == sorted(
         ["manifest.msgpack", "shard0", "shard1", "shard2", "meta.bin", "empty.bin"]
+    )
+
+
+def test_a_paced_fetch_reads_in_small_pieces_and_waits_while_its_pace_holds(tmp_path):
+    """`pace` (a joiner yielding its link to its all-reduce): called with each read's size
+    before it; while it blocks, no byte is read; released, the transfer completes."""
+    files = random_files(2, 1 * MB + 7)
+    make_checkpoint(tmp_path / "donor", 3, files)
+    opened, sizes, lock = threading.Event(), [], threading.Lock()
+
+    def pace(n: int) -> None:
+        with lock:
+            sizes.append(n)
+        assert opened.wait(60), "never released"
+
+    got: dict = {}
+    with serve_directory(tmp_path / "donor", "127.0.0.1", token=TOKEN) as server:
+        t = threading.Thread(target=lambda: got.update(r=fetch_checkpoint(
+            [server.url], tmp_path / "dest", token=TOKEN, connections=2, chunk_bytes=CHUNK,
+            pace=pace)), daemon=True)  # fmt: skip
+        t.start()
+        wait_until(lambda: len(sizes) >= 2, 30, what="both connections asking to read")
+        assert len(sizes) == 2 and t.is_alive()  # held: each waits before its first read
+        opened.set()
+        t.join(60)
+    assert not t.is_alive() and got["r"].step == 3
+    assert max(sizes) <= 16 << 10 and sum(sizes) == sum(map(len, files.values())), sizes[:4]
+    assert_same_checkpoint(
+        tmp_path / "donor" / step_dirname(3), tmp_path / "dest" / step_dirname(3)
     )
 
 

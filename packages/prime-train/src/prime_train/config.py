@@ -190,6 +190,14 @@ class MeshConfig(Section):
         "joiners, Mbit/s, all joiners together (0: no cap); default: half a 1 Gbit/s uplink, "
         "so a transfer never starves the members' all-reduce. Set it to about half your link",
     )
+    fetch_mbit: float | None = Field(
+        None,
+        ge=0.0,
+        description="cap on the rate a joiner fetches its snapshot while it listens, Mbit/s, "
+        "from all donors together (0: no cap); default: 2 x serve_mbit, the whole link when "
+        "serve_mbit is half of it. The fetch holds anyway while each round's all-reduce "
+        "runs; set it lower to leave room for other traffic on the joiner's link",
+    )
     node_name: str | None = Field(
         None,
         description="this node's name in the run, unique, the same across restarts (default: "

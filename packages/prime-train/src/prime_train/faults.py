@@ -10,7 +10,6 @@ environment itself.
 | `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
 | `PRIME_TRAIN_FAULT_SLOW_FACTOR` | every inner step takes about N times as long (the training thread sleeps N - 1 times the step's own time after it): a node on a slower machine |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
-| `PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND` | (any non-empty value) a joiner's download of an update-log entry ends only once its donor logged a newer round than when it began (at most 60 s): one round's update takes longer to move than a round lasts, however fast the machine |
 | `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 from prime_train.metrics import Log
@@ -37,7 +35,6 @@ _stall = [int(_seconds(STALL_AT_STEP_ENV)), _seconds(STALL_S_ENV)]  # [step, sec
 SLOW_FACTOR_ENV = "PRIME_TRAIN_FAULT_SLOW_FACTOR"
 SLOW_FACTOR = _seconds(SLOW_FACTOR_ENV)
 JOIN_READY_DELAY_ENV = "PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S"
-ENTRY_OUTLASTS_ROUND_ENV = "PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND"
 _join_ready_delay = [_seconds(JOIN_READY_DELAY_ENV)]  # used up by the first join
 
 
@@ -83,21 +80,6 @@ def delay_first_ready(log: Log | None) -> None:
         if log is not None:
             log.info(f"holding ready() for {delay:g} s")
         time.sleep(delay)
-
-
-def entry_outlasts_round() -> bool:
-    """Whether `PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND` is set (see `hold_entry`)."""
-    return bool(os.environ.get(ENTRY_OUTLASTS_ROUND_ENV))
-
-
-def hold_entry(newest: Callable[[], int], began_at: int) -> None:
-    """`PRIME_TRAIN_FAULT_ENTRY_OUTLASTS_ROUND`: an entry's download, begun when its donor's
-    newest logged outer step was `began_at`, ends once `newest()` is later (at most 60 s)."""
-    if not entry_outlasts_round():
-        return
-    end = time.monotonic() + 60.0
-    while time.monotonic() < end and newest() <= began_at:
-        time.sleep(0.2)
 
 
 WAIT_AFTER_SNAPSHOT_ENV = "PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+import socket
 from collections.abc import Callable
 from urllib.parse import quote, urlsplit
 
@@ -16,6 +17,10 @@ from prime_ckpt.peer.auth import H_NONCE, H_RESP_AUTH, check_response, sign_requ
 from prime_ckpt.peer.catalog import Offer, safe_relpath
 
 _READ = 1 << 20
+# Paced reads (`pace` given): small reads and a small receive window, so that a paused reader
+# stops its donor within a fraction of a second instead of after megabytes in flight
+_PACED_READ = 16 << 10
+_PACED_RCVBUF = 16 << 10
 
 
 def normalize_url(url: str) -> str:
@@ -42,10 +47,16 @@ def normalize_url(url: str) -> str:
 
 
 class Connection:
-    """Signed GET requests over one keep-alive connection; reopened after an error."""
+    """Signed GET requests over one keep-alive connection; reopened after an error. `pace`,
+    if given, is called with the size of each read of a file's bytes before it, and may block
+    (while the caller's own traffic has the link, or to cap the rate); reads are then small
+    and the receive window too."""
 
-    def __init__(self, url: str, token: bytes, timeout: float) -> None:
+    def __init__(
+        self, url: str, token: bytes, timeout: float, pace: Callable[[int], object] | None = None
+    ) -> None:
         self.url = url
+        self._pace = pace
         parts = urlsplit(url)
         self._host, self._port = parts.hostname, parts.port
         self._token = token
@@ -61,6 +72,13 @@ class Connection:
     def _get(self, path: str, range_header: str = "") -> tuple[http.client.HTTPResponse, str]:
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+            if self._pace is not None:
+                try:
+                    self._conn.connect()
+                    self._conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PACED_RCVBUF)
+                except OSError as e:
+                    self.close()
+                    raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
         headers = sign_request(self._token, "GET", path, range_header)
         if range_header:
             headers["Range"] = range_header
@@ -129,10 +147,13 @@ class Connection:
         if resp.status != 206 or not (resp.getheader("Content-Range") or "").startswith(expect):
             self.close()
             raise PeerFailed(f"{self.url}: answered {resp.status} without the requested range")
-        pos = start
+        pos, piece = start, _READ if self._pace is None else _PACED_READ
         while pos < end:
+            want = min(piece, end - pos)
+            if self._pace is not None:
+                self._pace(want)
             try:
-                n = resp.readinto(self._buf[: min(_READ, end - pos)])
+                n = resp.readinto(self._buf[:want])
             except (OSError, http.client.HTTPException) as e:
                 self.close()
                 raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e

@@ -19,7 +19,7 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,6 +296,7 @@ def fetch_checkpoint(
     timeout: float = 20.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shared: Sequence[tuple] = (),
+    pace: Callable[[int], object] | None = None,
 ) -> PeerFetch:
     """`fetch_from_peer`, from several donors at once: the tensors under the key prefixes
     `shared` (the same on every donor of a step) come from every donor that lays them out
@@ -303,7 +304,11 @@ def fetch_checkpoint(
     all of those die mid-transfer, another donor's checkpoint of the same step is taken (a
     helper's, which its serving leased), keeping the shared bytes already in; if none is
     left, the newest the donors left offer. Every file is checked against the committed checkpoint's
-    SHA-256; a file that fails is fetched again from its digest's donors alone."""
+    SHA-256; a file that fails is fetched again from its digest's donors alone. `pace`, if
+    given, is called with the size of each read of the files' bytes before it and may block
+    to hold the transfer or cap its rate (a joiner yields its link to its own all-reduce that
+    way); reads are then small and each
+    connection's receive window too, so a held transfer stops its donors within a moment."""
     key = resolve_token(token)
     urls = _checked_urls(urls, connections, timeout, chunk_bytes)
     dest = Path(dest)
@@ -348,6 +353,7 @@ def fetch_checkpoint(
             chunk_bytes,
             helpers=helpers,
             shared=ranges,
+            pace=pace,
         )
         try:
             _download_verified(download, offer, connections)

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,8 +194,10 @@ class Download:
         chunk_bytes: int,
         helpers: dict[str, str] | None = None,
         shared: dict[str, list[tuple[int, int]]] | None = None,
+        pace: Callable[[int], object] | None = None,
     ) -> None:
         self.folder, self.manifest, self.digest = folder, manifest, digest
+        self.pace = pace  # called with each read's size before it (`Connection`)
         self.token, self.connections, self.timeout = token, connections, timeout
         self.chunk_bytes = chunk_bytes
         self.donors = _Donors(urls)
@@ -333,7 +336,7 @@ class Download:
                 if conn is None or conn.url != url:
                     if conn is not None:
                         conn.close()
-                    conn = Connection(url, self.token, self.timeout)
+                    conn = Connection(url, self.token, self.timeout, self.pace)
                 chunk.tries += 1
                 hasher = self._hashes.claim(chunk.name, chunk.start)
                 try:

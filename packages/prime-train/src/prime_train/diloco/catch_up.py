@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from prime_ckpt import PeerError, fetch_side_file, list_side_files
-from prime_train import faults
 from prime_train.diloco.membership import Membership
 from prime_train.diloco.replay_log import BadEntry, Entry, entry_name, parse_name
 
@@ -160,9 +159,7 @@ def fetch_entries(
             node_id, url = donors[(i + k) % len(donors)]
             name = entry_name(outer, rank)
             try:
-                began = _newest(url, token) if faults.entry_outlasts_round() else 0
                 data = fetch_side_file(url, name, token, TIMEOUT_S)
-                faults.hold_entry(lambda u=url: _newest(u, token), began)
                 Entry.decode(data)  # its own checksum: a torn or corrupt one is refused
             except (PeerError, BadEntry) as e:
                 errors.append(f"{node_id}: {e}")
@@ -188,15 +185,6 @@ def fetch_entries(
         (folder / entry_name(o, r)).stat().st_size for o in steps for r in range(ranks)
     )
     return Fetched(steps, False, total, time.monotonic() - t0, used)
-
-
-def _newest(url: str, token: str | None) -> int:
-    """The newest outer step `url` logs (for a fault hook: `faults.hold_entry`)."""
-    try:
-        names = list_side_files(url, token, TIMEOUT_S)
-    except PeerError:
-        return -1
-    return max((p[0] for p in map(parse_name, names) if p is not None), default=-1)
 
 
 def read_entry(folder: Path, outer_step: int, rank: int) -> Entry:

@@ -47,6 +47,7 @@ import time
 from typing import TYPE_CHECKING
 
 from prime_ckpt import PeerError
+from prime_mesh import CoordinatorLost, MeshEvicted
 from prime_train import faults
 from prime_train.diloco.catch_up import (
     Fetched,
@@ -60,6 +61,7 @@ from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
+    Background,
     JoinFailed,
     JoinRecord,
     fetch_members_state,
@@ -286,9 +288,9 @@ def load_members_state(
 
 
 def _catch_up_again(
-    run: Run, outer: ElasticOuterStep, record: JoinRecord, late: JoinedLate
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, late: BaseException
 ) -> None:
-    """Admitted a round late: leave, register again (waiting), replay the rounds since, and
+    """Admitted a round late (or sent away by a restarted coordinator): leave, register again (waiting), replay the rounds since, and
     say ready again. The members committed without waiting; this node's state is unchanged."""
     membership = run.placement.membership
     assert membership is not None
@@ -308,6 +310,38 @@ def _catch_up_again(
             stack.pop_all()
     run.progress["step"] = record.step
     membership.mesh.ready()
+
+
+def _listen_again(
+    run: Run, outer: ElasticOuterStep, record: JoinRecord, lost: BaseException
+) -> JoinRecord:
+    """A listener without state yet, sent away (a restarted coordinator re-formed the run
+    without it): register again and listen again from the members' next sync point, with a
+    new snapshot in the background. Its timeline keeps its first start."""
+    membership = run.placement.membership
+    assert membership is not None
+    membership.close()
+    record.pending = None
+    _end_hold(record)
+    membership = register_again(run, lost)
+    run.placement.membership = membership
+    outer.reattach(membership.mesh)
+    again = admit_first(run, outer, record.rejoined)
+    again.started, again.late = record.started, record.late
+    return again
+
+
+def _stop_listening(outer: ElasticOuterStep, record: JoinRecord) -> None:
+    """A listener that lost its place: it keeps nothing of what it listened to; a snapshot
+    still under way (local rank 0) ends first (bounded by its own timeouts), so that no
+    fetch writes into its folder while it catches up again."""
+    listener = getattr(outer, "listener", None)
+    if listener is not None:
+        listener.close()
+    outer.listen_first = False  # type: ignore[attr-defined]
+    pending = record.pending
+    if isinstance(pending, Background):
+        pending.join(JOIN_TIMEOUT_S)
 
 
 def _end_hold(record: JoinRecord) -> None:
@@ -362,6 +396,27 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
                 if report is None and record.listened:  # the run completed meanwhile
                     return run.cfg.train.steps
                 break
+            except (MeshEvicted, CoordinatorLost) as e:
+                # a restarted coordinator re-forms the run from the nodes at the newest outer
+                # step: a listener holds none of its own yet, so it is sent away; it catches
+                # up again as a waiting node (its snapshot, if under way, finishes first)
+                if not listening(outer) or record.late >= MAX_LATE:
+                    raise
+                record.late += 1
+                fresh = record.pending is not None  # its snapshot not loaded yet: no state
+                _stop_listening(outer, record)
+                run.log.warn(
+                    f"lost its place while listening ({type(e).__name__}: {e}); registering "
+                    f"again and {'listening' if fresh else 'catching up'} again ({record.late} "
+                    f"of at most {MAX_LATE})"
+                )
+                if fresh:  # as a fresh joiner: admitted at once, its snapshot in the background
+                    record = _listen_again(run, outer, record, e)
+                    continue
+                _catch_up_again(run, outer, record, e)
+                if record.step >= run.cfg.train.steps:
+                    run.log.info("the run completed while this node caught up; nothing to enter")
+                    return record.step
             except JoinedLate as e:
                 record.late += 1
                 if not replaying(outer) or record.late > MAX_LATE:

@@ -17,7 +17,7 @@ round on it listens:
   (what their log entry of that round holds), on disk (packed, ~1.25 B/param per round;
   uint8 compression), with the round's counted reads and members (a few numbers, in RAM).
 - Meanwhile local rank 0 fetches the snapshot in the background (`snapshot.Background`), from
-  one donor at a time (at its cap, about half a link, the all-reduce keeps the other half):
+  every member at once, holding while each round's all-reduce runs (`collective`):
   the members' first checkpoint newer than the newest they offered before it said ready. The
   members checkpoint at the round that admitted a node (`Diloco.joiners_waiting`), so the
   snapshot is of that boundary (or the one before): the rounds between it and the first round
@@ -42,6 +42,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ from prime_train.diloco.snapshot import (
 )
 
 if TYPE_CHECKING:
+    from prime_train.config import MeshConfig
     from prime_train.diloco.average import Averaged
     from prime_train.diloco.outer_step import Diloco
     from prime_train.run import Run
@@ -155,6 +157,11 @@ class Listener:
             return
         self.record.backlog_seconds = time.monotonic() - t0
         self._got = got
+
+    def collective(self) -> AbstractContextManager[None]:
+        """Around the round's all-reduce: the snapshot under way holds (`LinkGate`)."""
+        gate = getattr(self.record.pending, "gate", None)  # (local rank 0's fetch)
+        return gate.held() if gate is not None and not self.loaded else nullcontext()
 
     def _state(self) -> tuple[bool, str | None, Any]:
         """(backlog in, why it failed, the snapshot's record once in), agreed by the node's
@@ -278,6 +285,13 @@ def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Jo
     )
 
 
+def fetch_rate(mesh: MeshConfig) -> float | None:
+    """A listener's cap on its snapshot's fetch, bytes/s (None: none): `mesh.fetch_mbit`, by
+    default 2 x `mesh.serve_mbit` (the whole link when the donors serve at half of it)."""
+    mbit = mesh.fetch_mbit if mesh.fetch_mbit is not None else 2 * mesh.serve_mbit
+    return mbit * 1e6 / 8 or None
+
+
 def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
     """A synchronous joiner says `ready()` at once: admitted at the members' next sync point,
     it listens while its snapshot comes in the background (`diloco/listen.py`)."""
@@ -291,6 +305,7 @@ def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> Join
             run.ckpt_dir,
             run.log,
             shared_tensors(run.cfg.diloco.overlap),
+            fetch_rate(run.cfg.mesh),
         )
     else:
         record.pending = True  # (local rank 0's fetch, told through `on_primary`)

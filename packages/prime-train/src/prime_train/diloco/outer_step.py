@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -194,7 +195,10 @@ class Diloco:
                     else self.mesh.maybe_reinit_global_pg()
                 )
                 sync_seconds = time.monotonic() - t_sync
-                got = self.average(regrouped, contributing, reads)
+                with (  # a listener's snapshot leaves the link to the all-reduce meanwhile
+                    self.listener.collective() if self.listener is not None else nullcontext()
+                ):
+                    got = self.average(regrouped, contributing, reads)
                 if self.vote(got):
                     late = got.late is not None or self.listen_first
                     if self.listener is None and late and self.listen_late:
@@ -219,6 +223,7 @@ class Diloco:
                     cost = join_cost(self.mesh, before, sync_seconds)
                     self.admitted_now = bool(cost)  # (its snapshot: checkpoint this round)
                     extra = {**(extra or {}), **self.feedback.metrics(), **cost,
+                             "sync_seconds": round(sync_seconds, 3),  # (waiting for the others)
                              **({"fragment": fragment} if self.fragments.count > 1 else {}),
                              **round_counts(self.round_inner_steps, self.data, got.consumed,
                                             reads if contributing and got.late is None

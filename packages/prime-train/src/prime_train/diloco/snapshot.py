@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,12 +111,14 @@ def fetch_members_state(
     fresh: bool = True,
     shared: list[tuple] | None = None,
     one_donor: bool = False,
+    pace: Callable[[], object] | None = None,
 ) -> JoinRecord:
     """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
     than `newer_than` if given, or with `fresh` newer than the newest one offered when it
     started asking (made at a boundary after this node registered), then fetch it from every
     member at once (`shared`: the tensors they hold alike; default: synchronous rounds'), or
-    with `one_donor` from the one offering the newest (another if it dies)."""
+    with `one_donor` from the one offering the newest (another if it dies). `pace`: see
+    `prime_ckpt.fetch_checkpoint` (a listener's `LinkGate.wait`)."""
     token = membership.token
     began = time.monotonic()  # the join's timeline starts here, waiting for a donor included
     deadline = began + JOIN_TIMEOUT_S
@@ -169,9 +173,11 @@ def fetch_members_state(
                     list(names),
                     ckpt_dir,
                     token=token,
-                    connections=max(4, 2 * len(names)),
+                    # paced: one per donor, so that little is in flight when it holds
+                    connections=len(names) if pace else max(4, 2 * len(names)),
                     chunk_bytes=CHUNK_BYTES,
                     shared=shared,
+                    pace=pace,
                 )
             except (PeerError, OSError) as e:  # every donor died or refused
                 errors.append(f"{sorted(names.values())}: {e}")
@@ -229,17 +235,73 @@ def members_left(membership: Membership, since: float) -> Exception | None:
     return None
 
 
+HOLD_MAX_S = 10.0  # the longest a held snapshot waits per read (a donor drops a silent reader)
+
+
+class LinkGate:
+    """A listener's snapshot yields the link to the round's collective and keeps under a cap:
+    the listener holds the gate (`held`) from its sync point until the round's all-reduce is
+    done, and the fetch's reads wait meanwhile (`wait`, each at most `HOLD_MAX_S`), and
+    otherwise keep to `bytes_per_s` (None: no cap). Its reads are small and its receive window
+    too (`prime_ckpt.fetch_checkpoint`'s `pace`), so its donors stop sending within a fraction
+    of a second: the all-reduce has the joiner's link, and each donor's uplink, to itself,
+    and the snapshot takes (most of) the link while the members compute."""
+
+    def __init__(self, bytes_per_s: float | None = None) -> None:
+        self.rate = bytes_per_s
+        self._open = threading.Event()
+        self._open.set()
+        self._lock = threading.Lock()
+        self._next = time.monotonic()  # when the cap lets the next read start
+
+    def wait(self, n: int) -> None:
+        """Before each read of `n` bytes of the snapshot: wait while the gate is held, then
+        for the cap (shared by every connection)."""
+        self._open.wait(HOLD_MAX_S)
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + n / self.rate
+        if start > now:
+            time.sleep(start - now)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The round's collective runs: the snapshot waits."""
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+            with self._lock:  # no burst to make up for the time held
+                self._next = max(self._next, time.monotonic())
+
+
 class Background:
     """A listener's snapshot, fetched on local rank 0 in the background while it listens:
     the members' first checkpoint newer than `baseline` (the newest they offered before it
-    said ready, so one made at the boundary that admitted it, or later). From one donor at a
-    time: at its cap (about half a link) the all-reduce the listener takes part in keeps the
-    other half of its link (several donors at once filled a 2 Mbit/s link and timed its
-    all-reduce out). `.got` once in, `.failed` (why) if not."""
+    said ready, so one made at the boundary that admitted it, or later), from every member at
+    once (each at its serving cap), holding off while the round's collective runs (`gate`,
+    held by the listener): the snapshot has the joiner's link while the members compute, the
+    all-reduce has it the rest of the round. (Taking it from both donors without holding
+    off filled a 2 Mbit/s link and timed the all-reduce out; one donor at a time without
+    holding off still doubled the members' all-reduce.) `.got` once in, `.failed` (why) if
+    not."""
 
-    def __init__(self, membership: Membership, ckpt_dir: Path, log: Log, shared: list[tuple]):
+    def __init__(
+        self,
+        membership: Membership,
+        ckpt_dir: Path,
+        log: Log,
+        shared: list[tuple],
+        bytes_per_s: float | None = None,
+    ):
+        """`bytes_per_s`: the cap on the fetch (None: none), see `LinkGate`."""
         self.got: JoinRecord | None = None
         self.failed: BaseException | None = None
+        self.gate = LinkGate(bytes_per_s)
         self.baseline = _newest([u for _, u in membership.donors()], membership.token)
         self._args = (membership, ckpt_dir, log, shared)
         self._thread = threading.Thread(target=self._run, name="prime-join-snapshot", daemon=True)
@@ -249,13 +311,18 @@ class Background:
         membership, ckpt_dir, log, shared = self._args
         try:
             self.got = fetch_members_state(membership, ckpt_dir, log, newer_than=self.baseline,
-                                           fresh=False, shared=shared, one_donor=True)  # fmt: skip
+                                           fresh=False, shared=shared,
+                                           pace=self.gate.wait)  # fmt: skip
         except BaseException as e:  # told to the listener at its next round
             self.failed = e
 
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until the fetch ended, in or failed."""
+        self._thread.join(timeout)
 
 
 def load_state(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
