@@ -227,8 +227,11 @@ class DelayedDiloco(Diloco):
             if self.data is not None:
                 self.data.drop()
             return None
-        if rnd["late"] and not self._catch_up_in_place(int(rnd["behind"])):
-            raise JoinedLate(rnd["late"])  # the members committed; this joiner leaves
+        if rnd["late"]:
+            if not self._catch_up_in_place(int(rnd["behind"])):
+                raise JoinedLate(rnd["late"])  # the members committed; this joiner leaves
+            shift = int(rnd["behind"]) * self.period  # its row is the members' round's
+            step, rnd["step"] = step + shift, int(rnd["step"]) + shift
         fragment = self.fragments.index(self.outer_steps)  # (before it counts)
         self.part.apply(to_model=False)
         data = self._commit_data(rnd["consumed"], rnd["members"])
