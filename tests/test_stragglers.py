@@ -12,6 +12,7 @@ steps after it depend on the clock). No assertion is on wall time.
 import re
 import signal
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,12 @@ def test_time_budgeted_rounds_with_a_straggler_resume_exactly(tmp_path, token_ca
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
     try:
         procs = start_nodes(children, n, coord, token_cache)
-        wait_until(lambda: STOP_AFTER in outer_by_step(folder_metrics(n[0]))
+        wait_until(lambda: all(STOP_AFTER in outer_by_step(folder_metrics(f)) for f in n)
                    or any(p.poll() is not None for p in procs), 240,
                    what=f"outer step {STOP_AFTER}")  # fmt: skip
+        # mid-round (a round lasts ROUND_S by the clock): a signal that lands on one node
+        # while its boundary's bookkeeping runs stops it there, the others a round later
+        time.sleep(ROUND_S / 2)
         for p in procs:  # all told at once: they stop together at the round's end
             p.send_signal(signal.SIGTERM)
         assert [p.wait(timeout=120) for p in procs] == [0, 0, 0], log_tails(tmp_path)
