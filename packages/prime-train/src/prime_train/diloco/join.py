@@ -290,8 +290,9 @@ def load_members_state(
 def _catch_up_again(
     run: Run, outer: ElasticOuterStep, record: JoinRecord, late: BaseException
 ) -> None:
-    """Admitted a round late (or sent away by a restarted coordinator): leave, register again (waiting), replay the rounds since, and
-    say ready again. The members committed without waiting; this node's state is unchanged."""
+    """Admitted a round late (or sent away by a restarted coordinator): leave, register again
+    (waiting), replay the rounds since, and say ready again. The members committed without
+    waiting; this node's state is unchanged."""
     membership = run.placement.membership
     assert membership is not None
     membership.close()

@@ -111,7 +111,7 @@ def fetch_members_state(
     fresh: bool = True,
     shared: list[tuple] | None = None,
     one_donor: bool = False,
-    pace: Callable[[], object] | None = None,
+    pace: Callable[[int], object] | None = None,
 ) -> JoinRecord:
     """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
     than `newer_than` if given, or with `fresh` newer than the newest one offered when it
