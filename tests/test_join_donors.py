@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from prime_mesh import Coordinator
-from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_node, wait_until
+from prime_testkit import (
+    folder_metrics,
+    log_tails,
+    outer_by_step,
+    start_cli_node,
+    stop_once_contributing,
+    wait_until,
+)
 
 TOKEN = "join-donors-test-token"
 # ~8.7 MB of checkpoint at 4 Mbit/s per donor: the shared ~5 MB from all three, the joiner's
@@ -73,17 +80,7 @@ def test_a_listeners_donor_killed_mid_transfer_the_rest_comes_from_the_others(
         members[0].send_signal(signal.SIGKILL)  # a donor (the first offered: its checkpoint)
         members[0].wait(timeout=30)
         survivors = (members[1], members[2], joiner)
-
-        def joiner_contributed() -> bool:
-            rows = outer_by_step(folder_metrics(n3)).values()
-            return any(r["contributors"] == 3 for r in rows) or any(
-                p.poll() is not None for p in survivors
-            )
-
-        wait_until(joiner_contributed, 240, what="a round the joiner contributed to")
-        for p in survivors:  # each stops at its next outer boundary
-            p.send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=120) for p in survivors]
+        codes = stop_once_contributing(n3, survivors, contributors=3, timeout=240)
     finally:
         coord.close()
     assert codes == [0, 0, 0], log_tails(tmp_path)
@@ -141,17 +138,8 @@ def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
         release.touch()
         assert odd.wait(timeout=120) == 1, log_tails(tmp_path)
         survivors = (members[1], members[2], joiner)
-
-        def joiner_contributed() -> bool:  # (its own rows: three members did before the kill)
-            rows = outer_by_step(folder_metrics(n3)).values()
-            return any(r["contributors"] == 3 for r in rows) or any(
-                p.poll() is not None for p in survivors
-            )
-
-        wait_until(joiner_contributed, 240, what="a round the joiner contributed to")
-        for p in survivors:  # each stops at its next outer boundary
-            p.send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=120) for p in survivors]
+        # (the joiner's own rows: three members did before the kill)
+        codes = stop_once_contributing(n3, survivors, contributors=3, timeout=240)
     finally:
         coord.close()
     assert codes == [0, 0, 0], log_tails(tmp_path)

@@ -24,6 +24,7 @@ from prime_testkit import (
     outer_by_step,
     start_cli_node,
     start_nodes_in_turn,
+    stop_once_contributing,
     wait_until,
 )
 
@@ -51,23 +52,6 @@ def first_outer_matches(tmp_path: Path, joiner: Path, members: list[Path]) -> in
         for k in shared:
             assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
     return min(mine)
-
-
-def wait_for_the_joiner_then_stop(tmp_path: Path, nodes: list, joiner, n0: Path) -> list[int]:
-    """Until a round the joiner contributed to (or a node ended); then SIGTERM to every node,
-    each stopping at its next outer boundary; returns their exit codes."""
-    everyone = (*nodes, joiner)
-
-    def joiner_contributed() -> bool:  # (delayed: it trains from its third round)
-        rows = outer_by_step(folder_metrics(n0)).values()
-        return any(r["contributors"] == 3 for r in rows) or any(
-            p.poll() is not None for p in everyone
-        )
-
-    wait_until(joiner_contributed, 400, what="a round the joiner contributed to")
-    for p in everyone:
-        p.send_signal(signal.SIGTERM)
-    return [p.wait(timeout=120) for p in everyone]
 
 
 def check_the_join(tmp_path: Path, overlap: str) -> dict:
@@ -151,7 +135,7 @@ def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
         wait_until(lambda: 2 in outer_by_step(folder_metrics(n0)) or members[0].poll() is not None,
                    240, what="the members' second outer step")  # fmt: skip
         assert members[0].poll() is None, log_tails(tmp_path)
-        codes = wait_for_the_joiner_then_stop(tmp_path, members, start(2, n2), n0)
+        codes = stop_once_contributing(n0, [*members, start(2, n2)], contributors=3)
         coord.send_signal(signal.SIGTERM)
         codes.append(coord.wait(timeout=30))
     assert codes == [0, 0, 0, 0], log_tails(tmp_path)
@@ -176,7 +160,7 @@ def test_a_late_delayed_joiner_replays_the_rounds_it_missed_and_enters(
         assert members[0].poll() is None, log_tails(tmp_path)
         joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
                                 env={"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}, **node)  # fmt: skip
-        codes = wait_for_the_joiner_then_stop(tmp_path, members, joiner, n0)
+        codes = stop_once_contributing(n0, [*members, joiner], contributors=3)
     finally:
         coord.close()
     assert codes == [0, 0, 0], log_tails(tmp_path)

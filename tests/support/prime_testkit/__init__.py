@@ -49,6 +49,7 @@ from prime_testkit.cli_node import (
     start_local_nodes,
     start_nodes_in_turn,
     start_ranked_node,
+    stop_once_contributing,
 )
 from prime_testkit.mesh import FakeClock, FakeConn, node_states
 from prime_testkit.nodes import Nodes
@@ -118,6 +119,7 @@ __all__ = [
     "run_local_nodes",
     "start_cli_node",
     "start_nodes_in_turn",
+    "stop_once_contributing",
     "start_coordinator_cli",
     "start_local_node",
     "start_local_nodes",

@@ -189,3 +189,23 @@ def start_coordinator_cli(
             [sys.executable, "-m", "prime_mesh.cli", *args],
             env=dict(os.environ, PRIME_TOKEN=token), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
+
+
+def stop_once_contributing(
+    watch: Path, procs: Sequence[subprocess.Popen], contributors: int, timeout: float = 400
+) -> list[int]:
+    """Until a round in `watch`'s metrics (a node folder) had `contributors` contributors, or a
+    process of `procs` ended; then SIGTERM to each (a node stops at its next outer boundary).
+    Returns their exit codes."""
+    from prime_testkit.runs import folder_metrics, outer_by_step
+
+    def contributed() -> bool:
+        rows = outer_by_step(folder_metrics(watch)).values()
+        return any(r["contributors"] == contributors for r in rows) or any(
+            p.poll() is not None for p in procs
+        )
+
+    wait_until(contributed, timeout, what=f"a round of {contributors} contributors")
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    return [p.wait(timeout=120) for p in procs]
