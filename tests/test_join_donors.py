@@ -25,6 +25,7 @@ from prime_testkit import (
     log_tails,
     outer_by_step,
     start_cli_node,
+    start_nodes_in_turn,
     stop_once_contributing,
     wait_until,
 )
@@ -65,11 +66,8 @@ def test_a_listeners_donor_killed_mid_transfer_the_rest_comes_from_the_others(
     survivors' outer weights. 38 s on 2 shared cores."""
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
     try:
-        members = []
-        for k in range(3):
-            members.append(start_cli_node(children, tmp_path / f"node{k}",
-                                          coordinator=coord.address, cache=token_cache, **NODE))  # fmt: skip
-            wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
+        members = start_nodes_in_turn(children, [tmp_path / f"node{k}" for k in range(3)], coord,
+                                      cache=token_cache, **NODE)  # fmt: skip
         n1, n3 = tmp_path / "node1", tmp_path / "node3"
         wait_until(lambda: 2 in outer_by_step(folder_metrics(n1)) or members[1].poll() is not None,
                    240, what="the members' second outer step")  # fmt: skip
@@ -104,11 +102,8 @@ def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
     release = tmp_path / "release"
     try:
-        members = []
-        for k in range(3):
-            members.append(start_cli_node(children, tmp_path / f"node{k}",
-                                          coordinator=coord.address, cache=token_cache, **NODE))  # fmt: skip
-            wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
+        members = start_nodes_in_turn(children, [tmp_path / f"node{k}" for k in range(3)], coord,
+                                      cache=token_cache, **NODE)  # fmt: skip
         n0, n1, n2, n3 = (tmp_path / f"node{k}" for k in range(4))
         wait_until(lambda: 2 in outer_by_step(folder_metrics(n1)) or members[1].poll() is not None,
                    240, what="the members' second outer step")  # fmt: skip
