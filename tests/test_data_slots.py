@@ -132,6 +132,54 @@ def test_every_slot_is_read_once_in_order_through_join_kill_and_stall(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_node_evicted_after_its_vote_passed_still_records_that_round(
+    tmp_path, token_cache, children
+):
+    """Node 1's training thread blocks once the vote of outer step 2 passed (a fault hook; its
+    heartbeats go on) until node 0 has left it out and committed twice alone. Round 2 is
+    committed on both nodes with node 1's reads, so node 1 writes its row when it wakes, though
+    it learns of its eviction meanwhile (CI once lost that row: a node SIGSTOPped just after
+    its vote skipped it, and a slot's chain had a gap); then it rejoins by itself."""
+    release = tmp_path / "release-node1"
+    stall = {"PRIME_TRAIN_FAULT_STALL_AFTER_VOTE": "2", "PRIME_TRAIN_FAULT_STALL_S": "200",
+             "PRIME_TRAIN_FAULT_STALL_UNTIL": str(release)}  # fmt: skip
+    node = {**NODE, "args": [*NODE["args"], "--diloco.sync_timeout_s", "3"]}
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    folders = [tmp_path / f"node{k}" for k in range(2)]
+    try:
+        nodes = [start_cli_node(children, folders[0], coordinator=coord.address,
+                                cache=token_cache, **node)]  # fmt: skip
+        wait_until(lambda: len(coord.status()["nodes"]) == 1, 120, what="node 0 registers")
+        nodes.append(start_cli_node(children, folders[1], coordinator=coord.address,
+                                    cache=token_cache, env=stall, **node))  # fmt: skip
+        alone = lambda: [r for r in outer_by_step(folder_metrics(folders[0])).values()  # noqa: E731
+                         if r["nodes"] == 1 and r["outer_step"] > 2]  # fmt: skip
+        wait_until(lambda: len(alone()) >= 2 or any(p.poll() is not None for p in nodes), 240,
+                   what="node 0 committing alone after leaving node 1 out")  # fmt: skip
+        assert all(p.poll() is None for p in nodes), log_tails(tmp_path)
+        release.touch()
+        back = lambda: [r for r in folder_metrics(folders[1]) if r.get("rejoined")]  # noqa: E731
+        wait_until(lambda: back() or nodes[1].poll() is not None, 240, what="node 1 rejoining")
+        wait_until(lambda: max(outer_by_step(folder_metrics(folders[1]))) > back()[-1]["step"]
+                   // NODE["inner_steps"] or nodes[1].poll() is not None, 240,
+                   what="node 1's first round back")  # fmt: skip
+        for p in nodes:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in nodes]
+    finally:
+        coord.close()
+    assert codes == [0, 0], log_tails(tmp_path)
+    mine = outer_by_step(folder_metrics(folders[1]))
+    theirs = outer_by_step(folder_metrics(folders[0]))
+    assert mine[2]["data"] and mine[2]["nodes"] == 2, mine[2]  # the round it voted for
+    assert mine[2]["outer_sha256"] == theirs[2]["outer_sha256"]
+    log = folders[1].with_suffix(".log").read_text()
+    assert "after the vote of outer step 2" in log and "evicted" in log, log[-3000:]
+    check_chains(counted_reads(folders), stall=3)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_run_with_more_nodes_than_data_slots_is_refused(tmp_path, token_cache):
     args = debug_args(tmp_path / "runs", token_cache, "--launch.local_nodes", "2",

@@ -161,6 +161,9 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 report("vote", result=mesh.should_commit(arg["ok"]))
             elif cmd == "members":
                 report("members", members=mesh.members())
+            elif cmd == "installed":  # the group this node last installed (no mesh call)
+                epoch, members = mesh.installed_group
+                report("installed", members=list(members), epoch=epoch, world=len(members))
             elif cmd == "check":
                 report("check", abort=mesh.should_abort())
             elif cmd == "resources":  # open files and threads of this process, from /proc

@@ -164,6 +164,12 @@ def test_sigstop_straggler_is_released_evicted_and_rejoins(children, coordinator
     cluster.signal("d", signal.SIGCONT)
     err = cluster.expect("d", "error", timeout=BOUND)
     assert err["type"] == "MeshEvicted" and "evicted" in err["msg"] and "rejoin" in err["msg"], err
+    # Its installed group stays readable by `installed_group` (a round whose vote passed
+    # before the node learned of its eviction is committed everywhere, and the node still
+    # records it), while the other views raise.
+    cluster.send("d", "installed")
+    seen = cluster.expect("d", "installed", timeout=BOUND)
+    assert (seen["world"], seen["epoch"]) == (4, fresh["d"]["epoch"]), (seen, fresh["d"])
     cluster.send("d", "rejoin")
     wait_until(
         lambda: list(node_states(coordinator).values()).count("joining") == 1,

@@ -58,6 +58,10 @@ class WorldMesh:
         self.node_id = f"node-{dist.get_rank()}"
         self.votes, self.regroup = list(votes or []), False
 
+    @property
+    def installed_group(self) -> tuple[int, tuple[str, ...]]:
+        return self.epoch, self.global_members
+
     def maybe_reinit_global_pg(self, listening: bool = False) -> bool:
         return self.regroup
 

@@ -408,6 +408,15 @@ class ElasticDeviceMesh:
         return self._current().number
 
     @property
+    def installed_group(self) -> tuple[int, tuple[str, ...]]:
+        """(epoch, member node ids in rank order) of the group installed last, read without
+        raising for an eviction or a lost coordinator: a round whose vote passed before this
+        node learned it was evicted is committed on every member, and it still records it."""
+        if self._epoch is None:
+            raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
+        return self._epoch.number, self._epoch.members
+
+    @property
     def local_mesh(self) -> Any:
         if self._local_mesh is None:
             self._local_mesh = make_local_mesh(self.local_world_size)

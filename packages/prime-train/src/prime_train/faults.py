@@ -8,6 +8,7 @@ environment itself.
 | --- | --- |
 | `PRIME_TRAIN_FAULT_HOLD_ROUND_S` | with `overlap = "delayed"`, every background outer round waits this many seconds between its sync point and its all-reduce, so that a test can kill or stop a node while a round is in flight |
 | `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
+| `PRIME_TRAIN_FAULT_STALL_AFTER_VOTE` | with `PRIME_TRAIN_FAULT_STALL_S` (and `_UNTIL`): once the commit vote of outer step N has passed, the training thread blocks, once, before it records the round: the others may leave the node out meanwhile, and it learns of that eviction only after its round committed |
 | `PRIME_TRAIN_FAULT_SLOW_FACTOR` | every inner step takes about N times as long (the training thread sleeps N - 1 times the step's own time after it): a node on a slower machine |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 | `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
@@ -32,6 +33,8 @@ HOLD_ROUND_S = _seconds(HOLD_ROUND_ENV)  # read once, when the trainer starts
 STALL_AT_STEP_ENV, STALL_S_ENV = "PRIME_TRAIN_FAULT_STALL_AT_STEP", "PRIME_TRAIN_FAULT_STALL_S"
 STALL_UNTIL_ENV = "PRIME_TRAIN_FAULT_STALL_UNTIL"
 _stall = [int(_seconds(STALL_AT_STEP_ENV)), _seconds(STALL_S_ENV)]  # [step, seconds]: once
+STALL_AFTER_VOTE_ENV = "PRIME_TRAIN_FAULT_STALL_AFTER_VOTE"
+_stall_after_vote = [int(_seconds(STALL_AFTER_VOTE_ENV)), _seconds(STALL_S_ENV)]
 SLOW_FACTOR_ENV = "PRIME_TRAIN_FAULT_SLOW_FACTOR"
 SLOW_FACTOR = _seconds(SLOW_FACTOR_ENV)
 JOIN_READY_DELAY_ENV = "PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S"
@@ -52,17 +55,29 @@ def stall_training(step: int, log: Log | None) -> None:
     `PRIME_TRAIN_FAULT_STALL_UNTIL` exists. A sleep releases the GIL, so heartbeats go on:
     the node looks alive to the coordinator."""
     at, seconds = _stall
-    if not (at and seconds and step == at):
-        return
-    _stall[1] = 0.0
+    if at and seconds and step == at:
+        _stall[1] = 0.0
+        _block(seconds, f"before step {step}", log)
+
+
+def stall_after_vote(outer_step: int, log: Log | None) -> None:
+    """`PRIME_TRAIN_FAULT_STALL_AFTER_VOTE`: block the training thread once the vote of outer
+    step `outer_step` passed, before the round is recorded (as `stall_training`, once)."""
+    at, seconds = _stall_after_vote
+    if at and seconds and outer_step == at:
+        _stall_after_vote[1] = 0.0
+        _block(seconds, f"after the vote of outer step {outer_step}", log)
+
+
+def _block(seconds: float, where: str, log: Log | None) -> None:
     until = os.environ.get(STALL_UNTIL_ENV)
     if log is not None:
-        log.info(f"fault hook: blocking the training thread before step {step} for {seconds:g} s")
+        log.info(f"fault hook: blocking the training thread {where} for {seconds:g} s")
     end = time.monotonic() + seconds
     while time.monotonic() < end and not (until and os.path.exists(until)):
         time.sleep(0.1)
     if log is not None:
-        log.info(f"fault hook: the training thread goes on at step {step}")
+        log.info(f"fault hook: the training thread goes on ({where})")
 
 
 def slow_inner_step(seconds: float) -> None:

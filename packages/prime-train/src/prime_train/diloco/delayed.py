@@ -168,20 +168,21 @@ class DelayedDiloco(Diloco):
             faults.hold_outer_round(rnd["step"], self.log)
             got = self.average(regrouped, contributing, reads)
             committed = self.vote(got)  # a committed round's residual is kept at once
+            epoch, members = mesh.installed_group  # (never raises for a later eviction)
             cost = join_cost(mesh, before, sync_seconds)  # (a round that admitted a node)
             rnd.update(
                 state="committed" if committed else "dropped",
                 seconds=time.monotonic() - t0,
                 allreduce_seconds=got.stats.seconds if got.stats else 0.0,
                 bytes_sent=got.stats.bytes_sent if got.stats else 0,
-                nodes=mesh.global_world_size,
-                epoch=mesh.epoch,
+                nodes=len(members),
+                epoch=epoch,
                 contributors=got.contributors,
                 error="" if committed else (got.error or "a peer failed"),
                 late=got.late or "",
                 behind=got.behind,
                 consumed=got.consumed,
-                members=list(mesh.global_members),
+                members=list(members),
                 # this node's reads that counted (None: it sent none, or was not counted)
                 counted=reads if contributing and got.late is None else None,
                 # flat, always present: the round is checkpointed, and a checkpoint's keys must

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from prime_train import faults
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.error_feedback import ErrorFeedback
@@ -200,6 +201,7 @@ class Diloco:
                 ):
                     got = self.average(regrouped, contributing, reads)
                 if self.vote(got):
+                    faults.stall_after_vote(self.outer_steps + 1, self.log)  # (a test's)
                     late = got.late is not None or self.listen_first
                     if self.listener is None and late and self.listen_late:
                         if self.listen_first:  # its count is 0, or a rejoiner's stale one
@@ -218,7 +220,7 @@ class Diloco:
                         step += got.behind * self.period  # the members' round
                     fragment = self.fragments.index(self.outer_steps)  # (before it counts)
                     self.part.apply()
-                    extra = self._commit_data(got.consumed, self.mesh.global_members)
+                    extra = self._commit_data(got.consumed, self.mesh.installed_group[1])
                     seconds = time.monotonic() - t0
                     cost = join_cost(self.mesh, before, sync_seconds)
                     self.admitted_now = bool(cost)  # (its snapshot: checkpoint this round)

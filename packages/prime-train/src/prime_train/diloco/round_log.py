@@ -44,7 +44,7 @@ def join_cost(mesh: ElasticDeviceMesh, before: set[str], sync_seconds: float) ->
     """On a member, for the round whose sync point admitted nodes: who (`admitted`) and what
     it cost this member (`join_seconds`: that sync point's time, re-forming the group with
     them included); nothing otherwise, and nothing on the node admitted."""
-    admitted = sorted(set(mesh.global_members) - before)
+    admitted = sorted(set(mesh.installed_group[1]) - before)  # (the round committed)
     if not before or not admitted or mesh.node_id in admitted:
         return {}
     return {"admitted": admitted, "join_seconds": round(sync_seconds, 3)}
@@ -173,6 +173,7 @@ class RoundLog:
         note: str = "",
     ) -> OuterStepReport:
         """Count, log and write one applied outer step (`extra`: more keys for its row)."""
+        epoch, members = mesh.installed_group  # (an eviction noticed since the vote: still ours)
         shards, node_bytes = self.node_figures(stats.bytes_sent if stats else 0)
         self.last_shards = shards
         compute, wall = self.end_round()
@@ -189,9 +190,9 @@ class RoundLog:
             seconds=seconds,
             allreduce_seconds=stats.seconds if stats else 0.0,
             bytes_sent=node_bytes,
-            nodes=mesh.global_world_size,
-            epoch=mesh.epoch,
-            contributors=contributors or mesh.global_world_size,
+            nodes=len(members),
+            epoch=epoch,
+            contributors=contributors or len(members),
             outer_sha256=digest,
             compute_seconds=compute,
             round_seconds=wall,
