@@ -11,7 +11,8 @@ from prime_mesh.deadline import CollectiveDeadline
 from prime_mesh.epoch import Epoch, retire
 from prime_mesh.errors import CoordinatorGone, CoordinatorLost, MeshError
 from prime_mesh.install import admit, install
-from prime_mesh.local import local_env, make_local_mesh, shared_node_key
+from prime_mesh.local import local_env, shared_node_key
+from prime_mesh.mesh_views import MeshViews
 from prime_mesh.progress import validate_progress
 from prime_mesh.reconnect import recover
 from prime_mesh.session import Session, checked_metadata
@@ -20,7 +21,7 @@ from prime_mesh.wire import resolve_token
 log = logging.getLogger("prime_mesh")
 
 
-class ElasticDeviceMesh:
+class ElasticDeviceMesh(MeshViews):
     """Joins a run through its coordinator and keeps this local rank's inter-node gloo group.
 
     Local rank r of every node is in inter-node group r; `global_pg` is that group for the
@@ -57,6 +58,9 @@ class ElasticDeviceMesh:
     as a new member). Waiting for admission ends after `join_timeout` seconds (MeshTimeout;
     None: no bound), building a group after `pg_timeout`, and a coordinator that heartbeats but
     never answers a sync point or vote raises MeshTimeout past `request_bound`.
+
+    Its read-only properties and queries (`node_id`, `global_rank`, `members()`, ...) are
+    in its base class `prime_mesh.mesh_views.MeshViews`.
     """
 
     def __init__(
@@ -144,22 +148,6 @@ class ElasticDeviceMesh:
         except BaseException:
             self._session.client.close()
             raise
-
-    @property
-    def joining(self) -> bool:
-        """Registered with `wait_until_ready="auto"` while the run had members (or was being
-        re-formed): the coordinator made this node a joiner, waiting until `ready()`."""
-        return self._session.joining
-
-    @property
-    def node_id(self) -> str:
-        """This node's id in the run (its `name`, else "node-N"), the same on every local rank."""
-        return self._session.node_id
-
-    @property
-    def host(self) -> str:
-        """The address this local rank's gloo groups bind to and advertise."""
-        return self._session.host
 
     # ---- membership ----------------------------------------------------------------------
     def maybe_reinit_global_pg(self, admit_joiners: bool = True, listening: bool = False) -> bool:
@@ -270,20 +258,6 @@ class ElasticDeviceMesh:
         )
         self._ready = True
 
-    @property
-    def join_timeout(self) -> float | None:
-        """Seconds a wait for admission may last (None: no bound)."""
-        return self._join_timeout
-
-    @property
-    def state(self) -> str:
-        """This local rank's view: "waiting" (not ready), "joining" (ready, not admitted
-        yet) or "member" (holds a group). `members()` has the coordinator's view of all."""
-        self._check()
-        if self._epoch is not None:
-            return "member"
-        return "joining" if self._ready else "waiting"
-
     def should_abort(self) -> bool:
         """True once a newer epoch exists than the one the current group belongs to."""
         self._check()
@@ -331,48 +305,11 @@ class ElasticDeviceMesh:
             )
         return result
 
-    def members(self) -> list[dict]:
-        """Every node the coordinator knows (members in rank order, then the others) with its
-        node_id, rank (None unless a member), state ("member", "joining": ready and admitted at
-        the next sync point, "waiting": not ready yet, "registering": local ranks missing),
-        local_world_size, last_heartbeat_age and metadata."""
-        return list(self.status()["nodes"])
-
-    def status(self) -> dict:
-        """The coordinator's view: epoch, min_nodes and `nodes` (as `members()`)."""
-        self._check()
-        request = {"type": "status"}
-        reply = self._session.client.request(
-            request, timeout=self._session.connect_timeout, what="the coordinator's status"
-        )
-        return dict(reply["status"])
-
     def report_progress(self, **numbers: float) -> None:
         """Show training numbers on the coordinator's status page (`step`, `loss`, ...: see
         `prime_mesh.progress.PROGRESS_FIELDS`); they ride on the next heartbeat. ValueError on
         an unknown field or a value that is not a finite number >= 0."""
         self._session.client.queue_progress(validate_progress(numbers))
-
-    @property
-    def request_bound(self) -> float:
-        """Seconds a sync point or vote waits for the coordinator's answer at most (then
-        MeshTimeout): its longest wait for late members plus a heartbeat timeout."""
-        return self._session.request_bound
-
-    def round_bound(self) -> float:
-        """An upper bound on one round of the README loop with no coordinator loss: a sync
-        point (its answer, then at most three group builds), one collective given
-        `collective_timeout()`, and the vote. For a caller that waits on another thread
-        running them (prime-train's overlapped outer step)."""
-        s = self._session
-        build = s.pg_timeout + s.heartbeat_timeout + 2 * s.heartbeat_interval
-        return 2 * self.request_bound + 3 * (build + self.request_bound) + self.collective_timeout()
-
-    # ---- collective deadlines ------------------------------------------------------------
-    def collective_timeout(self) -> float:
-        """Seconds to allow the next inter-node collective: a bounded moving average of the
-        durations given to record_collective() (see CollectiveDeadline)."""
-        return self._deadline.timeout()
 
     def record_collective(self, seconds: float, ok: bool = True) -> None:
         """Report a finished collective; ok=False marks the group suspect, so the next
@@ -381,46 +318,6 @@ class ElasticDeviceMesh:
             self._deadline.record(seconds)
         else:
             self._suspect = True
-
-    # ---- views ---------------------------------------------------------------------------
-    @property
-    def global_pg(self) -> Any:
-        self._check()
-        if self._pg is None:
-            raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
-        return self._pg
-
-    @property
-    def global_rank(self) -> int:
-        return self._current().members.index(self.node_id)
-
-    @property
-    def global_world_size(self) -> int:
-        return len(self._current().members)
-
-    @property
-    def global_members(self) -> tuple[str, ...]:
-        """The node ids of the installed group, in rank order (the same on every member)."""
-        return self._current().members
-
-    @property
-    def epoch(self) -> int:
-        return self._current().number
-
-    @property
-    def installed_group(self) -> tuple[int, tuple[str, ...]]:
-        """(epoch, member node ids in rank order) of the group installed last, read without
-        raising for an eviction or a lost coordinator: a round whose vote passed before this
-        node learned it was evicted is committed on every member, and it still records it."""
-        if self._epoch is None:
-            raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
-        return self._epoch.number, self._epoch.members
-
-    @property
-    def local_mesh(self) -> Any:
-        if self._local_mesh is None:
-            self._local_mesh = make_local_mesh(self.local_world_size)
-        return self._local_mesh
 
     def close(self, completed: bool = False) -> None:
         """Leave the run gracefully and at once; the other members see a new epoch.
@@ -440,20 +337,6 @@ class ElasticDeviceMesh:
         self.close()
 
     # ---- internals -----------------------------------------------------------------------
-    def _check(self) -> None:
-        self._session.check()
-
-    def _current(self) -> Epoch:
-        """The installed epoch. A lost coordinator does not change it (its group still works
-        until the next sync point or vote reconnects), so that loss is not raised here."""
-        try:
-            self._check()
-        except CoordinatorLost:
-            pass
-        if self._epoch is None:
-            raise MeshError("not admitted yet: call maybe_reinit_global_pg() to wait for admission")
-        return self._epoch
-
     def _admit(self, timeout: float | None) -> None:
         self._hold(*admit(self._session, timeout))
         self._fresh = self.node_id in self._session.joined
