@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prime_mesh.barrier import SyncWaits
+from prime_mesh.membership_views import MembershipViews
 from prime_mesh.node import Conn, Node, name_held
-from prime_mesh.progress import History, page_of
+from prime_mesh.progress import History
 from prime_mesh.reform import (
     Completed,
     NameTaken,
@@ -40,11 +40,15 @@ from prime_mesh.reform import (
     resume_of,
 )
 from prime_mesh.registration import check_fits_run, parse_registration
+from prime_mesh.round_requests import RoundRequests, Slot, reply
 
 log = logging.getLogger("prime_mesh.coordinator")
 
 
-class Membership:
+class Membership(MembershipViews):
+    """The state machine (see the module doc); its read-only views are in its base class
+    `prime_mesh.membership_views.MembershipViews`."""
+
     def __init__(
         self,
         min_nodes: int = 1,
@@ -63,9 +67,8 @@ class Membership:
         self.joiners: list[str] = []  # complete, ready nodes, admitted at the next sync point
         self.gone: set[str] = set()
         self._seq = 0
-        self._barrier: dict[tuple[str, int], tuple[Conn, int, bool, bool]] = {}
-        self._votes: dict[int, dict[tuple[str, int], tuple[Conn, int, bool]]] = {}
-        self.waits = SyncWaits()  # how long late members are waited for (see barrier)
+        self.pending = RoundRequests()  # sync point arrivals and votes in flight
+        self.waits = self.pending.waits  # how long late members are waited for (see barrier)
         self.history = History()
         self.completed: str | None = None  # config hash of a run whose members finished it
 
@@ -168,27 +171,17 @@ class Membership:
     def sync(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
         """A member reached a sync point; answer when every member has (or at once if stale)."""
         if not node.member or msg.get("epoch") != self.epoch:
-            conn.send(self._reply(req, epoch=self.epoch_info()))
+            conn.send(reply(req, epoch=self.epoch_info()))
             return
-        self._barrier[(node.key, lr)] = (conn, req, bool(msg.get("admit")), bool(msg.get("failed")))
-        if not msg.get("listening"):  # a listener may come a round early: not its clock
-            self.waits.arrived(self.clock())
+        self.pending.arrive((node.key, lr), conn, req, msg, self.clock())
         self._check_barrier()
 
     def vote(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
         if not node.member or msg.get("epoch") != self.epoch:
-            conn.send(self._reply(req, result=False, reason="the epoch changed"))
+            conn.send(reply(req, result=False, reason="the epoch changed"))
             return
-        seq = int(msg.get("seq", 0))
-        ballots = self._votes.setdefault(seq, {})
-        ballots[(node.key, lr)] = (conn, req, bool(msg.get("ok")))
-        self.waits.voted(seq, self.clock())
-        if set(ballots) >= self._required():
-            result = all(ok for _, _, ok in ballots.values())
-            for c, r, _ in ballots.values():
-                c.send(self._reply(r, result=result))
-            del self._votes[seq]
-            self.waits.vote_done(seq)
+        seq, ok = int(msg.get("seq", 0)), bool(msg.get("ok"))
+        self.pending.vote(seq, (node.key, lr), conn, req, ok, self._required(), self.clock())
 
     def evict(self, node: Node, reason: str) -> None:
         self.evict_all([node], reason)
@@ -247,15 +240,10 @@ class Membership:
         if not self.members:
             return
         limit = self.waits.limit(self.nodes[k].sync_timeout for k in self.members)
-        over = self.waits.overdue(now, limit)
+        over = self.pending.overdue(now, limit)
         if over is None:
             return
-        what, waited = over
-        if what == "sync point":
-            here = set(self._barrier)
-        else:
-            seq = min(s for s, t in self.waits.vote_since.items() if now - t > limit)
-            here = set(self._votes.get(seq, {}))
+        what, waited, here = over
         late = [
             self.nodes[k]
             for k in self.members
@@ -305,25 +293,19 @@ class Membership:
             why,
         )
         # Everyone waiting at the old barrier or in an old vote is answered now.
-        for conn, req, _, _ in self._barrier.values():
-            conn.send(self._reply(req, epoch=info))
-        self._barrier.clear()
-        self.waits.reset()
-        for ballots in self._votes.values():
-            for conn, req, _ in ballots.values():
-                conn.send(self._reply(req, result=False, reason="the epoch changed"))
-        self._votes.clear()
+        self.pending.new_epoch(info)
         for key in members:
             for conn in self.nodes[key].conns.values():
                 conn.send({"type": "epoch", "epoch": info})
 
     def _check_barrier(self) -> None:
-        if not self.members or not set(self._barrier) >= self._required():
+        if not self.members:
             return
-        self.waits.completed(self.clock())
-        entries = list(self._barrier.values())
-        admit = all(a for _, _, a, _ in entries) and self.joiners
-        failed = any(f for _, _, _, f in entries)
+        passed = self.pending.sync_passed(self._required(), self.clock())
+        if passed is None:
+            return
+        all_admit, failed = passed
+        admit = all_admit and self.joiners
         if admit or failed:
             joiners = list(self.joiners) if admit else []
             ids = ", ".join(self.nodes[k].node_id for k in joiners)
@@ -337,10 +319,7 @@ class Membership:
             else:
                 self._new_epoch(self.members, "rebuilt after a failed collective")
         else:
-            info = self.epoch_info()
-            for conn, req, _, _ in entries:
-                conn.send(self._reply(req, epoch=info))
-            self._barrier.clear()
+            self.pending.release(self.epoch_info())
 
     def _maybe_bootstrap(self) -> None:
         if self.members:
@@ -374,7 +353,7 @@ class Membership:
         for node_id, why in plan.away:  # not members: no new epoch; the node is told why
             self.evict(by_id[node_id], why)
 
-    def _required(self) -> set[tuple[str, int]]:
+    def _required(self) -> set[Slot]:
         return {(k, lr) for k in self.members for lr in range(self.nodes[k].local_world_size)}
 
     def _run_node(self, exclude: str) -> Node | None:
@@ -382,54 +361,5 @@ class Membership:
             return self.nodes[self.members[0]]
         return next((n for k, n in self.nodes.items() if k != exclude), None)
 
-    # ---- views ---------------------------------------------------------------------------
     def _member_ids(self) -> list[str]:
         return [self.nodes[k].node_id for k in self.members]
-
-    def epoch_info(self) -> dict:
-        return {
-            "epoch": self.epoch,
-            "prefix": self.prefix,
-            "members": [self.nodes[k].node_id for k in self.members],
-            "joined": self.joined,
-        }
-
-    def state_of(self, node: Node) -> str:
-        """registering, waiting, joining or member (see the module docstring)."""
-        if node.member:
-            return "member"
-        if node.key in self.joiners:
-            return "joining"
-        return "waiting" if node.complete else "registering"
-
-    @staticmethod
-    def _reply(req: int, **fields: Any) -> dict:
-        return {"type": "reply", "id": req, **fields}
-
-    def status(self) -> dict:
-        now = self.clock()
-
-        def view(node: Node) -> dict:
-            ages = [now - t for t in node.last_seen.values()]
-            return {
-                "node_id": node.node_id,
-                "rank": self.members.index(node.key) if node.member else None,
-                "state": self.state_of(node),
-                "local_world_size": node.local_world_size,
-                "last_heartbeat_age": max(ages) if ages else None,
-                "metadata": node.metadata,
-            }
-
-        ordered = self.members + [k for k in self.nodes if k not in self.members]
-        return {
-            "epoch": self.epoch,
-            "min_nodes": self.min_nodes,
-            "nodes": [view(self.nodes[k]) for k in ordered],
-            "completed": self.completed is not None and not self.members,
-        }
-
-    def page(self) -> dict:
-        """The status page's data (see `prime_mesh.progress.page_of`)."""
-        addresses = {n.node_id: n.address for n in self.nodes.values()}
-        members = [self.nodes[k].node_id for k in self.members]
-        return page_of(self.history, self.status(), addresses, members)
