@@ -199,9 +199,10 @@ class Diloco:
                     got = self.average(regrouped, contributing, reads)
                 if self.vote(got):
                     faults.stall_after_vote(self.outer_steps + 1, self.log)  # (a test's)
-                    step = settle_late(self, got, step)  # (a late joiner's or listener's)
-                    if step is None:
+                    settled = settle_late(self, got, step)  # (a late joiner's or listener's)
+                    if settled is None:
                         return None  # a round it only listened to
+                    step = settled
                     fragment = self.fragments.index(self.outer_steps)  # (before it counts)
                     self.part.apply()
                     extra = self._commit_data(got.consumed, self.mesh.installed_group[1])
