@@ -5,7 +5,8 @@ Through the CLI, each node its own process in its own folder. Synchronous, on th
 (network namespaces, every link 8 Mbit/s, the donors serving at half of it): the joiner is
 admitted before its snapshot arrives and listens (`diloco/listen.py`) for the many rounds it
 takes, the members not waiting for that transfer, then replays the kept rounds and enters
-with the members' outer hash. Delayed, on loopback with a serving cap: it replays in place.
+with the members' outer hash; with 2 streaming fragments too (each round one fragment's).
+Delayed, on loopback with a serving cap: it replays in place.
 """
 
 import os
@@ -101,17 +102,21 @@ def check_the_join(tmp_path: Path, overlap: str) -> dict:
 @pytest.mark.wan
 @pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason()))
 @pytest.mark.timeout(500)
+@pytest.mark.parametrize("fragments", [1, 2])
 def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
-    tmp_path, token_cache, children
+    tmp_path, token_cache, children, fragments
 ):
     """On the WAN bed: every node's link at BED_MBIT, the donors serving at half of it (the
     setting's advice); the joiner's ~8.7 MB snapshot takes several short rounds to cross its
     link, beside the rounds' all-reduce on the same link. Synchronous: it is admitted before
-    its snapshot arrives, listens, replays the kept rounds and enters with the members' hash."""
+    its snapshot arrives, listens, replays the kept rounds and enters with the members' hash.
+    With 2 streaming fragments (a sync every H / 2 steps, each one fragment's) it listens the
+    same way, each round to the fragment the members sync."""
     n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
     coord_log = tmp_path / "coordinator.log"
     node = {k: v for k, v in NODE.items() if k != "host"}
-    node = {**node, "args": ["--mesh.serve_mbit", str(BED_MBIT / 2)],
+    node = {**node, "args": ["--mesh.serve_mbit", str(BED_MBIT / 2),
+                             "--diloco.fragments", str(fragments)],
             "env": {"GLOO_SOCKET_IFNAME": "eth0", **BED_HEARTBEATS}}  # fmt: skip
     with WanBed(4, rate_mbit=BED_MBIT) as bed:  # (closing it kills what is left inside)
         with open(coord_log, "w") as out:
@@ -139,7 +144,14 @@ def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
         coord.send_signal(signal.SIGTERM)
         codes.append(coord.wait(timeout=30))
     assert codes == [0, 0, 0, 0], log_tails(tmp_path)
-    check_the_join(tmp_path, "none")
+    row = check_the_join(tmp_path, "none")
+    assert row["listened"] >= 3, row  # (the members never waited: check_the_join's rounds)
+    log = (tmp_path / "node2.log").read_text()
+    assert "round(s) late: replayed outer steps" not in log, log[-3000:]  # not in place
+    if fragments > 1:  # every sync one fragment's, by the committed count, on every node
+        for folder in (n0, n1, n2):
+            rows = outer_by_step(folder_metrics(folder))
+            assert all(r["fragment"] == (k - 1) % fragments for k, r in rows.items()), rows
 
 
 @pytest.mark.slow

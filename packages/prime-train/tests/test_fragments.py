@@ -139,6 +139,65 @@ def test_two_fragments_outer_math_by_hand(children):
     assert b["model"][2][3:] == pytest.approx([w1h + 3.0, w1 + 3.0])
 
 
+def _listener_worker(rank, world, port, q):
+    torch.set_num_threads(1)
+    gloo_world(rank, world, port)
+    try:
+        model = Tiny()
+        names = [n for n, _ in model.named_parameters()]
+        cfg = DilocoConfig(inner_steps=4, fragments=2, compression="none",
+                           outer_lr=0.5, outer_momentum=0.5)  # fmt: skip
+        mesh = WorldMesh()
+        mesh.regroup = True  # (a member then sends the header, as one with data slots does)
+        outer = Diloco(cfg, mesh, list(model.parameters()), names=names)
+        backlog = torch.full((3,), -2.0)  # fragment 0's sync, committed before rank 1 came
+        out: dict = {}
+        if rank == 0:  # the member: at count 1, it syncs fragment 1
+            outer.apply_update(backlog)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            outer.start(4)
+            report = outer.finish()
+            out.update(contributors=report.contributors, nodes=report.nodes)
+        else:  # the listener: its own count 0 (fragment 0), stating the members' count 1
+            outer.optimizer.pseudo_gradient.fill_(7.0)
+            outer.fragments.part(1).pseudo_gradient.zero_()
+            got = outer.average(regrouped=True, contributing=False, count=1)
+            out.update(error=got.error, late=got.late, mismatch=got.mismatch,
+                       behind=got.behind, buffer=outer.optimizer.pseudo_gradient.tolist())  # fmt: skip
+            kept = outer.fragments.part(1).pseudo_gradient.clone()  # what it keeps
+            outer.apply_update(backlog)  # catching up: the backlog, then the kept round
+            outer.apply_update(kept)
+        out.update(count=outer.outer_steps, digest=outer.optimizer.digest(),
+                   outer=outer.optimizer.weights.tolist())  # fmt: skip
+        q.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_listeners_round_averages_the_members_fragment(children):
+    """A listener (`diloco/listen.py`) states the members' count and sends zeros as long as
+    their fragment, not its own stale count's: the header matches (no mismatch, not behind),
+    the members' update lands in that fragment's buffer, and applying the backlog then the
+    kept round, each to its own fragment, gives the member's outer weights bit for bit."""
+    world, port = 2, free_port()
+    q = children.queue()
+    for r in range(world):
+        children.process(_listener_worker, r, world, port, q)
+    results = dict(q.get(timeout=100) for _ in range(world))
+    member, listener = results[0], results[1]
+    assert member["contributors"] == 1 and member["nodes"] == 2, member
+    assert listener["error"] is None and listener["late"] is None, listener
+    assert not listener["mismatch"] and listener["behind"] == 0, listener
+    # layout: embed[0], embed[1], layers.0 | head, layers.1; the member's fragment 1 moved +1,
+    # so its pseudo-gradient is -1, the average over the one contributor; fragment 0 untouched
+    assert listener["buffer"] == [7.0, 7.0, 7.0, -1.0, -1.0], listener
+    assert listener["count"] == member["count"] == 2
+    assert listener["digest"] == member["digest"], (listener["outer"], member["outer"])
+
+
 def test_one_fragment_is_todays_layout():
     model = Transformer(model_args("debug", n_layers=2))
     params = list(model.parameters())

@@ -56,7 +56,8 @@ import torch
 import prime_comm
 from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
-from prime_train.diloco.outer_step import Diloco, JoinedLate
+from prime_train.diloco.late_joiner import JoinedLate, catch_up_in_place
+from prime_train.diloco.outer_step import Diloco
 from prime_train.diloco.round_log import join_cost, members_before, round_counts
 from prime_train.seam import OuterStepReport
 
@@ -229,7 +230,7 @@ class DelayedDiloco(Diloco):
                 self.data.drop()
             return None
         if rnd["late"]:
-            if not self._catch_up_in_place(int(rnd["behind"])):
+            if not catch_up_in_place(self, int(rnd["behind"])):
                 raise JoinedLate(rnd["late"])  # the members committed; this joiner leaves
             shift = int(rnd["behind"]) * self.period  # its row is the members' round's
             step, rnd["step"] = step + shift, int(rnd["step"]) + shift

@@ -56,8 +56,8 @@ from prime_train.diloco.catch_up import (
     on_primary,
     replay_fetched,
 )
+from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.diloco.listen import Listener, admit_first
-from prime_train.diloco.outer_step import JoinedLate
 from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
@@ -88,13 +88,12 @@ def replaying(outer: ElasticOuterStep) -> bool:
 def listening(outer: ElasticOuterStep) -> bool:
     """Whether a joiner admitted late listens until it has the rounds it missed
     (`diloco/listen.py`: synchronous DiLoCo with data slots, whose members send the exact
-    header every round, as a listener does); else it replays them in place (delayed)."""
+    header every round, as a listener does; with streaming fragments too, each round the
+    fragment the members sync); else it replays them in place (delayed)."""
     return (
         replaying(outer)
         and not getattr(outer, "overlapped", True)
         and getattr(outer, "data", None) is not None
-        # (with fragments it replays in place: a listener's rounds are whole-model ones)
-        and getattr(getattr(outer, "cfg", None), "fragments", 1) == 1
     )
 
 

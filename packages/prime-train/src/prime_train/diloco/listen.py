@@ -29,6 +29,13 @@ round on it listens:
   average with the members: its outer weights are theirs, bit for bit (the members' next
   rows' `outer_sha256` show it), and it contributes from the next round.
 
+With streaming fragments (`[diloco] fragments` > 1, `diloco/fragments.py`) it listens the
+same way: each round it sends zeros as long as the fragment the *members* sync (that of
+their count, `Listener.count`, not of its own stale one: `late_joiner.sync_part`) and keeps
+that fragment's update; the backlog's entries and the kept rounds are each one fragment's
+update, applied in order, each to its own fragment (the fragment follows the count). Its
+model then takes the outer weights of every fragment, as a joiner's entry does (`enter`).
+
 So its link carries the snapshot once beside the members' all-reduce traffic, however many
 rounds that takes; the kept rounds cost ~1.25 B/param each on its disk for the rounds the
 snapshot takes. A joiner admitted late after loading a snapshot first (the path it takes
@@ -55,7 +62,7 @@ from prime_train.diloco.catch_up import (
     on_primary,
     replay_fetched,
 )
-from prime_train.diloco.outer_step import JoinedLate
+from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.diloco.replay_log import Entry
 from prime_train.diloco.snapshot import (
     Background,
@@ -229,10 +236,12 @@ class Listener:
         )
 
     def _keep(self, got: Averaged) -> None:
-        """This round's update on disk (each local rank its shard), the rest in memory."""
+        """This round's update on disk (each local rank its shard), the rest in memory: with
+        fragments, the update of the one the members synced (that of their count before it)."""
+        update = self.outer.fragments.part(self.count).pseudo_gradient
         self.count += 1
         rank = self.outer.local_rank
-        entry = Entry(self.count, self.step, rank, "", "", self.outer.optimizer.pseudo_gradient)
+        entry = Entry(self.count, self.step, rank, "", "", update)
         (self.folder / str(self.count)).write_bytes(entry.encode())
         self.kept.append(_Kept(self.count, got.consumed, tuple(self.outer.mesh.global_members)))
 
@@ -256,6 +265,8 @@ class Listener:
             self.outer.apply_update(Entry.decode(path.read_bytes()).update)
             if data is not None and kept.consumed is not None:
                 data.commit(kept.consumed, kept.members)  # as the members moved them
+        if self.outer.fragments.count > 1:  # its local weights: the outer ones, as `enter`'s
+            self.outer.rollback_to_outer()  # (a fragment not replayed holds the donor's)
         self.close()
 
     def close(self) -> None:

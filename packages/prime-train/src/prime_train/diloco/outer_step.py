@@ -16,7 +16,8 @@ Every H inner steps the trainer calls `start(step)` then `finish()`:
 
 A joiner's first round is `enter(step)`: the same step, contributing nothing (see
 `diloco/join.py`). A joiner admitted late takes further such rounds as a listener
-(`diloco/listen.py`) until it holds the rounds it missed.
+(`diloco/listen.py`) until it holds the rounds it missed, or replays them in place
+(`diloco/late_joiner.py`).
 
 Here `finish` follows `start` at once (`[diloco] overlap = "none"`); `diloco/delayed.py` builds
 the overlapped step on the same pieces, its all-reduce running in the background while the
@@ -43,6 +44,7 @@ from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
+from prime_train.diloco.late_joiner import settle_late, sync_count, sync_part
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
@@ -55,7 +57,6 @@ from prime_train.diloco.round_log import (
     run_summary,
 )
 from prime_train.metrics import Log, Metrics
-from prime_train.rundir import RunDirError
 from prime_train.seam import OuterStepReport
 
 if TYPE_CHECKING:
@@ -65,11 +66,6 @@ if TYPE_CHECKING:
 
 class OuterStepFailed(RuntimeError):
     """The outer step could not be agreed on within the allowed retries."""
-
-
-class JoinedLate(RunDirError):
-    """A joiner was admitted at a later outer step than the state it loaded: its weights
-    would differ from the members', so it leaves (the members go on without waiting)."""
 
 
 class Diloco:
@@ -184,10 +180,11 @@ class Diloco:
         errors: list[str] = []
         try:
             for attempt in range(1, self.max_retries + 2):
+                part = sync_part(self)  # (a listener's: the members' fragment)
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
-                    self.part.compute_pseudo_gradient()
+                    part.compute_pseudo_gradient()
                 if not contributing:
-                    self.part.pseudo_gradient.zero_()
+                    part.pseudo_gradient.zero_()
                 before = members_before(self.mesh)
                 t_sync = time.monotonic()
                 regrouped = (  # a listener may come a round early: not its clock
@@ -202,22 +199,10 @@ class Diloco:
                     got = self.average(regrouped, contributing, reads)
                 if self.vote(got):
                     faults.stall_after_vote(self.outer_steps + 1, self.log)  # (a test's)
-                    late = got.late is not None or self.listen_first
-                    if self.listener is None and late and self.listen_late:
-                        if self.listen_first:  # its count is 0, or a rejoiner's stale one
-                            step = (self.outer_steps + got.behind + 1) * self.period
-                        else:  # from the state it loaded: the members' round
-                            step += got.behind * self.period
-                        self.listen_first = False
-                        self.listener = self.listen_late(self.outer_steps, got.behind)
-                    if self.listener is not None:  # (its buffer holds the round's average)
-                        if not self.listener.listened(got, step):
-                            return None  # kept, not applied: it still fetches its backlog
-                        self.listener = None  # caught up: this round applies as theirs
-                    elif got.late is not None:
-                        if not self._catch_up_in_place(got.behind):
-                            raise JoinedLate(got.late)  # the members commit; this node leaves
-                        step += got.behind * self.period  # the members' round
+                    settled = settle_late(self, got, step)  # (a late joiner's or listener's)
+                    if settled is None:
+                        return None  # a round it only listened to
+                    step = settled
                     fragment = self.fragments.index(self.outer_steps)  # (before it counts)
                     self.part.apply()
                     extra = self._commit_data(got.consumed, self.mesh.installed_group[1])
@@ -249,34 +234,25 @@ class Diloco:
             "outer weights are unchanged"
         )
 
-    def _catch_up_in_place(self, behind: int) -> bool:
-        """A joiner admitted `behind` rounds late: replay the updates the members applied
-        since its state (`late_catch_up`), then this round's average applies as theirs does.
-        False (nothing usable: it leaves) when it cannot."""
-        if self.late_catch_up is None or behind <= 0:
-            return False
-        mine = self.outer_steps
-        members = self.fragments.part(mine + behind)  # the fragment the members averaged
-        average = members.pseudo_gradient.clone()  # the replay reuses the buffer
-        if not self.late_catch_up(mine, mine + behind):
-            return False
-        members.pseudo_gradient.copy_(average)
-        return True
-
     def average(
-        self, regrouped: bool, contributing: bool, reads: list[int] | None = None
+        self,
+        regrouped: bool,
+        contributing: bool,
+        reads: list[int] | None = None,
+        count: int | None = None,
     ) -> Averaged:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
         point (`regrouped`: the group changed there); `contributing` is False for a joiner's
-        first round; `reads`: the node's uncounted reads per data slot."""
-        span = self.fragments.span(self.outer_steps)
-        feedback = self.feedback.prepare(contributing, span)
+        first round; `reads`: the node's uncounted reads per data slot; `count`: the committed
+        count it states and takes its fragment from (default `late_joiner.sync_count`: a
+        listener's is the members')."""
+        count = sync_count(self) if count is None else count
+        feedback = self.feedback.prepare(contributing, self.fragments.span(count))
         got = average_pseudo_gradient(
             self.mesh,
-            self.part.pseudo_gradient,
+            self.fragments.part(count).pseudo_gradient,
             self.cfg.compression,
-            # a listener states the members' count: it will have applied their rounds
-            self.listener.count if self.listener is not None else self.rounds.outer_steps,
+            count,
             contributing=contributing,
             regrouped=regrouped,
             reads=reads,
