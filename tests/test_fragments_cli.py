@@ -47,8 +47,11 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
 
     def run_pair(runs, stop=False):
         def mid_round() -> bool:  # the sync of step 10 started, held before step 13
-            rows = node_metrics(runs / "debug")
-            if (1 if delayed else 2) in outer_hashes(rows) and any(r["step"] >= 12 for r in rows):
+            # (both nodes: with overlap one can be at step 12 while the other is not at 10 yet,
+            # and a signal there would stop that one at step 10)
+            rows = [node_metrics(runs / "debug", k) for k in range(2)]
+            if all((1 if delayed else 2) in outer_hashes(r) and any(x["step"] >= 12 for x in r)
+                   for r in rows):  # fmt: skip
                 go.touch()  # (the stop signal follows at once: it lands mid-round)
                 return True
             return False
