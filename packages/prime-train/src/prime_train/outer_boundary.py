@@ -113,27 +113,40 @@ class OuterBoundary:
         except CoordinatorGone as e:
             self._coordinator_gone(e)
         except MEMBERSHIP_LOST as e:
-            if not self.can_rejoin or self.elastic is None:
-                raise
-            self.rejoins += 1
-            if left_out(e):
-                self.missed += 1
-                check_missed_allowed(self.run, e, self.missed)
-            else:
-                self.lost += 1
-            step = rejoin_running_job(self.run, self.elastic, e, self.rejoins, bound=self.lost)
+            step = self._rejoin(e)
         else:  # this node reached the sync point in time: a round with it settled
             self.missed = 0
         self.committed = CommittedState.take(self.run, step, report)
         self.round_start, self.round_t0 = step, None
         return step
 
-    def checkpoint(self, step: int) -> None:
-        """Checkpoint inner step `step` (a boundary)."""
+    def _rejoin(self, error: BaseException) -> int:
+        """This node lost its membership (`error`): rejoin the running job (within the
+        bounds) and return the step of the members' round it entered."""
+        if not self.can_rejoin or self.elastic is None:
+            raise error
+        self.rejoins += 1
+        if left_out(error):
+            self.missed += 1
+            check_missed_allowed(self.run, error, self.missed)
+        else:
+            self.lost += 1
+        return rejoin_running_job(self.run, self.elastic, error, self.rejoins, bound=self.lost)
+
+    def checkpoint(self, step: int) -> int:
+        """Checkpoint inner step `step` (a boundary); returns the step the loop continues
+        from: later when the node rejoined instead (overlap "delayed": a checkpoint waits for
+        the round in flight, which may end in this node's eviction; the members' state it
+        then loads supersedes its own)."""
         try:
             self.run.checkpoint(step, self.outer)
         except CoordinatorGone as e:
             self._coordinator_gone(e)
+        except MEMBERSHIP_LOST as e:
+            step = self._rejoin(e)
+            self.committed = CommittedState.take(self.run, step, None)
+            self.round_start, self.round_t0 = step, None
+        return step
 
     def should_leave_now(self, step: int) -> bool:
         """Told to stop after inner step `step`, mid-round: whether the node leaves now rather

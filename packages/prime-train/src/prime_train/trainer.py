@@ -260,8 +260,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 if reached(cfg.eval.every, inner, step) or step == total:
                     eval_loss = run.evaluate_and_record(step)
                 if stopping or step == total or checkpoint_due:
-                    if boundary is not None:
-                        boundary.checkpoint(step)
+                    if boundary is not None:  # (a rejoin instead moves the step on)
+                        step = boundary.checkpoint(step)
                     else:
                         run.checkpoint(step, None)
             if stopping:

@@ -2,7 +2,8 @@
 
 The nodes first sum an exact (uncompressed) header: whether each contributes a
 pseudo-gradient (a joiner's entry round does not), their outer step counts, which must all be
-equal, and, with data slots, how many sequences each read from each slot and not counted yet
+equal, the contributors' inner step at this sync point (in two parts, so the float32 sums stay
+exact: a listener, which holds no step of its own, takes the members'), and, with data slots, how many sequences each read from each slot and not counted yet
 (`reads`: a few numbers per slot; only a contributor's count). Without `reads` the header is
 only sent after the group changed (`regrouped`: the same on every member) or by a joiner. The
 average is then over the contributors: every node scales the same bits by the same factor.
@@ -41,6 +42,7 @@ class Averaged:
     mismatch: bool = False
     consumed: list[float] | None = None  # per data slot, the contributors' reads (summed)
     behind: int = 0  # for a late joiner: outer steps the members applied that it has not
+    members_step: int | None = None  # the contributors' inner step (None: none sent)
 
 
 def average_pseudo_gradient(
@@ -54,6 +56,7 @@ def average_pseudo_gradient(
     feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
     weighted: bool = False,
     payload_for: Callable[[int], torch.Tensor] | None = None,
+    step: int | None = None,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
     `outer_steps` is this node's count of applied outer steps; `reads`: this node's uncounted
@@ -61,14 +64,16 @@ def average_pseudo_gradient(
     this node carries, added after the weighting, and the buffer that receives this attempt's
     quantization error; `weighted`: weigh the contributors by their `reads`;
     `payload_for` (streaming fragments): a late joiner's buffer for the members' outer step
-    count, so that its zeros are as long as the fragment the members send."""
+    count, so that its zeros are as long as the fragment the members send; `step`: this node's
+    inner step at the sync point (the header's `members_step`)."""
     t = time.monotonic()
     world = mesh.global_world_size
     contributors, late, mismatch, consumed, behind = world, None, False, None, 0
+    members_step = None
     try:
         if regrouped or not contributing or reads is not None:
-            contributors, late, mismatch, consumed, behind = _header(
-                mesh, contributing, outer_steps, reads
+            contributors, late, mismatch, consumed, behind, members_step = _header(
+                mesh, contributing, outer_steps, reads, step
             )
         if behind > 0 and payload_for is not None:  # (a joiner: it contributes nothing)
             pseudo_gradient = payload_for(outer_steps + behind).zero_()
@@ -89,14 +94,14 @@ def average_pseudo_gradient(
     except Exception as e:  # the vote tells every member; all re-form and retry
         mesh.record_collective(time.monotonic() - t, ok=False)
         error = f"{type(e).__name__}: {e}"
-        return Averaged(None, error, contributors, late, mismatch, consumed, behind)
+        return Averaged(None, error, contributors, late, mismatch, consumed, behind, members_step)
     mesh.record_collective(time.monotonic() - t)
     if 0 < contributors < world:  # the average over the nodes that contributed
         pseudo_gradient.mul_(world / contributors)
     if not bool(torch.isfinite(pseudo_gradient).all()):
         error = "averaged pseudo-gradient is not finite"
-        return Averaged(stats, error, contributors, late, mismatch, consumed, behind)
-    return Averaged(stats, None, contributors, late, mismatch, consumed, behind)
+        return Averaged(stats, error, contributors, late, mismatch, consumed, behind, members_step)
+    return Averaged(stats, None, contributors, late, mismatch, consumed, behind, members_step)
 
 
 def _weigh(
@@ -111,16 +116,24 @@ def _weigh(
         pseudo_gradient.mul_(scale)
 
 
+STEP_SPLIT = 4096  # a step is sent as (step // STEP_SPLIT, step % STEP_SPLIT)
+
+
 def _header(
-    mesh: ElasticDeviceMesh, contributing: bool, mine: int, reads: list[int] | None
-) -> tuple[int, str | None, bool, list[float] | None, int]:
-    """Sum (contributes?, outer steps, reads per slot) over the group: (contributors, why this
-    joiner is late, whether some node's count differs, the reads summed, how many outer steps
-    this joiner is behind). Float32 is exact here: a round's reads of a slot are far below
-    2**24."""
+    mesh: ElasticDeviceMesh, contributing: bool, mine: int, reads: list[int] | None,
+    step: int | None,
+) -> tuple[int, str | None, bool, list[float] | None, int, int | None]:  # fmt: skip
+    """Sum (contributes?, outer steps, the step in two parts, reads per slot) over the group:
+    (contributors, why this joiner is late, whether some node's count differs, the reads
+    summed, how many outer steps this joiner is behind, the contributors' step). Float32 is
+    exact here: a round's reads of a slot are far below 2**24, and so are the step's parts
+    summed over fewer than 4096 contributors."""
     world = mesh.global_world_size
     counted = reads if (reads is not None and contributing) else [0] * len(reads or [])
-    header = torch.tensor([float(contributing), float(mine), *counted], dtype=torch.float32)
+    high, low = divmod(step, STEP_SPLIT) if contributing and step is not None else (0, 0)
+    header = torch.tensor(
+        [float(contributing), float(mine), float(high), float(low), *counted], dtype=torch.float32
+    )
     prime_comm.all_reduce(
         header,
         group=mesh.global_pg,
@@ -137,5 +150,16 @@ def _header(
             "fetch outlasted a round. Rerun the same command to join again"
         )
         behind = round(others) - mine
-    consumed = header[2:].tolist() if reads is not None else None
-    return round(float(header[0])), late, mismatch, consumed, behind
+    consumed = header[4:].tolist() if reads is not None else None
+    contributors = round(float(header[0]))
+    return contributors, late, mismatch, consumed, behind, _agreed_step(header, contributors)
+
+
+def _agreed_step(header: torch.Tensor, contributors: int) -> int | None:
+    """The contributors' step (the same on each: they meet at this sync point) from the
+    header's summed parts; None when none contributed, or the sums are no multiple of the
+    count (steps that differ, a bug elsewhere)."""
+    high, low = round(float(header[2])), round(float(header[3]))
+    if contributors <= 0 or high == low == 0 or high % contributors or low % contributors:
+        return None  # (0: none sent a step; no sync point is at step 0)
+    return high // contributors * STEP_SPLIT + low // contributors

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -56,7 +57,8 @@ import torch
 import prime_comm
 from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
-from prime_train.diloco.late_joiner import JoinedLate, catch_up_in_place
+from prime_train.diloco.average import Averaged
+from prime_train.diloco.late_joiner import settle_late
 from prime_train.diloco.outer_step import Diloco
 from prime_train.diloco.round_log import join_cost, members_before, round_counts
 from prime_train.seam import OuterStepReport
@@ -64,7 +66,8 @@ from prime_train.seam import OuterStepReport
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
              "late": "", "behind": 0, "consumed": None, "members": [], "inner_steps": 0,
-             "counted": None, "admitted": [], "join_seconds": 0.0}  # fmt: skip
+             "counted": None, "admitted": [], "join_seconds": 0.0,
+             "members_step": 0}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -162,12 +165,15 @@ class DelayedDiloco(Diloco):
     ) -> None:
         """One attempt, in the background thread: sync point, all-reduce, vote."""
         mesh, t0 = self.mesh, time.monotonic()
+        listener = self.listener  # (set by the main thread between rounds only)
         try:
             before = members_before(mesh)
-            regrouped = mesh.maybe_reinit_global_pg()
+            # a listener may come a round early: not its clock
+            regrouped = mesh.maybe_reinit_global_pg(listening=listener is not None)
             sync_seconds = time.monotonic() - t0
             faults.hold_outer_round(rnd["step"], self.log)
-            got = self.average(regrouped, contributing, reads)
+            with listener.collective() if listener is not None else nullcontext():
+                got = self.average(regrouped, contributing, reads, step=int(rnd["step"]))
             committed = self.vote(got)  # a committed round's residual is kept at once
             epoch, members = mesh.installed_group  # (never raises for a later eviction)
             cost = join_cost(mesh, before, sync_seconds)  # (a round that admitted a node)
@@ -182,6 +188,7 @@ class DelayedDiloco(Diloco):
                 error="" if committed else (got.error or "a peer failed"),
                 late=got.late or "",
                 behind=got.behind,
+                members_step=got.members_step or 0,  # (0: not sent; a listener's entry step)
                 consumed=got.consumed,
                 members=list(members),
                 # this node's reads that counted (None: it sent none, or was not counted)
@@ -229,11 +236,15 @@ class DelayedDiloco(Diloco):
             if self.data is not None:
                 self.data.drop()
             return None
-        if rnd["late"]:
-            if not catch_up_in_place(self, int(rnd["behind"])):
-                raise JoinedLate(rnd["late"])  # the members committed; this joiner leaves
-            shift = int(rnd["behind"]) * self.period  # its row is the members' round's
-            step, rnd["step"] = step + shift, int(rnd["step"]) + shift
+        if rnd["late"] or self.listen_first or self.listener is not None:
+            got = Averaged(None, None, int(rnd["contributors"]), late=rnd["late"] or None,
+                           consumed=rnd["consumed"], behind=int(rnd["behind"]),
+                           members_step=int(rnd["members_step"]) or None)  # fmt: skip
+            settled = settle_late(self, got, step)  # (a late joiner's or listener's)
+            if settled is None:
+                return None  # a round it listened to: kept, not applied
+            # its row is the members' round's
+            step, rnd["step"] = settled, int(rnd["step"]) + settled - step
         fragment = self.fragments.index(self.outer_steps)  # (before it counts)
         self.part.apply(to_model=False)
         data = self._commit_data(rnd["consumed"], rnd["members"])
@@ -270,6 +281,11 @@ class DelayedDiloco(Diloco):
         # logged under its round's step: a joiner that replayed it joins the round after
         self.log_update(report, step=int(rnd["step"]))
         return report
+
+    def settle_loaded(self) -> None:
+        """A listener's snapshot came: apply (or drop) the finished, unapplied round it holds,
+        as the donor did at its next sync point (see `_settle_loaded`)."""
+        self._settle_loaded()
 
     # -- checkpoints ------------------------------------------------------------------------
 

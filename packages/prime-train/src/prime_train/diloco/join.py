@@ -9,17 +9,17 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    update log, `diloco/replay_log.py`) and serves them beside its checkpoints; while a node
    waits, and at a round that admitted one, members also checkpoint at the outer boundary
    (the outer step's `joiners_waiting`).
-3. Synchronous DiLoCo (`listening`): the joiner says `ready()` at once and listens from the
+3. DiLoCo with one fragment, synchronous or delayed (`listening`): the joiner says `ready()` at once and listens from the
    members' next sync point while its snapshot comes in the background (`listen.admit_first`,
    `diloco/listen.py`); steps 3-4 below are then the listener's, done in the background and
-   at the round its snapshot is in. Otherwise (delayed, or catching up again after a failed
-   listen): fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
+   at the round its snapshot is in. Otherwise (fragments > 1, or catching up again after a
+   failed listen): fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
    newest checkpoint (`prime_ckpt.fetch_from_peer`: verified, resumable, under the donor's
    serving cap) at its own pace, however many rounds that takes, into its own checkpoint
    folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
    (`catch_up.Holder`) so the ones it will need are not pruned.
-4. Load (`load_members_state`): every local rank loads the checkpoint; a synchronous joiner
-   then says `ready()` at once (the rounds since come in step 5). A delayed one first replays
+4. Load (`load_members_state`): every local rank loads the checkpoint; a joiner that listens
+   then says `ready()` at once (the rounds since come in step 5). Another first replays
    the members' committed updates since it (`catch_up`), each checked against the members'
    outer weights' hash, until the donors offer no newer one. A log that no longer reaches the
    checkpoint, or a hash that differs, takes a newer checkpoint (a second mismatch exits with
@@ -30,8 +30,8 @@ lost its membership (`diloco/rejoin.py`) all take this path.
    everywhere. A listener (admitted before its snapshot, or late after loading one) stays a
    member contributing nothing (`diloco/listen.py`, the outer step's `listen_late`): it keeps
    each round's update while its snapshot and backlog come in the background, then replays
-   them and enters with the members' outer weights; the members never wait for its transfer. A delayed
-   joiner instead replays the rounds it missed at once, as a member, and takes the round with
+   them and enters with the members' outer weights; the members never wait for its transfer. A
+   joiner that cannot listen (fragments > 1) instead replays the rounds it missed at once, as a member, and takes the round with
    them (`replay_in_place`, the outer step's `late_catch_up`). If either cannot, it leaves,
    registers again, replays the rounds since and asks again (`JoinedLate` only after
    `MAX_LATE` such tries).
@@ -87,14 +87,10 @@ def replaying(outer: ElasticOuterStep) -> bool:
 
 def listening(outer: ElasticOuterStep) -> bool:
     """Whether a joiner admitted late listens until it has the rounds it missed
-    (`diloco/listen.py`: synchronous DiLoCo with data slots, whose members send the exact
-    header every round, as a listener does; with streaming fragments too, each round the
-    fragment the members sync); else it replays them in place (delayed)."""
-    return (
-        replaying(outer)
-        and not getattr(outer, "overlapped", True)
-        and getattr(outer, "data", None) is not None
-    )
+    (`diloco/listen.py`: DiLoCo with data slots, whose members send the exact header every
+    round, as a listener does; synchronous or delayed, and with streaming fragments each
+    round the fragment the members sync); else it replays them in place."""
+    return replaying(outer) and getattr(outer, "data", None) is not None
 
 
 def _newer_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, why: str) -> None:
@@ -374,8 +370,8 @@ def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | N
 def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> int:
     """Step 5: the joiner's first round, ending where the members' round that started from
     the state it reached ends; returns the step it continues from. Admitted late (the members
-    committed meanwhile), it listens until it has the rounds it missed (synchronous), or
-    replays them in place (delayed); if that fails, it catches up again and asks again."""
+    committed meanwhile), it listens until it has the rounds it missed (`listening`), or
+    replays them in place; if that fails, it catches up again and asks again."""
     if listening(outer):
         outer.listen_late = lambda mine, behind: Listener(  # type: ignore[attr-defined]
             run,

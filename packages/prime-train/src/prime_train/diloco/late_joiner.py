@@ -3,10 +3,10 @@ joining late (`diloco/join.py`).
 
 A joiner admitted late (the members committed rounds after the state it loaded) or before its
 snapshot came learns it from the round's header (`diloco/average.py`: `late`, `behind`).
-Synchronous DiLoCo with data slots listens (`diloco/listen.py`, the outer step's
+DiLoCo with data slots, synchronous or delayed, listens (`diloco/listen.py`, the outer step's
 `listen_late`): it stays a member contributing nothing, keeps each committed round and applies
-none until it has caught up. Otherwise (`late_catch_up`, delayed) it replays the rounds it
-missed in place, or leaves with `JoinedLate`.
+none until it has caught up, at the members' step (the header's `members_step`). Otherwise
+(`late_catch_up`) it replays the rounds it missed in place, or leaves with `JoinedLate`.
 
 With streaming fragments (`diloco/fragments.py`) a listener's round averages the fragment of
 the members' count (`Listener.count`), not of its own stale one (`sync_count`).
@@ -54,6 +54,8 @@ def settle_late(outer: Diloco, got: Averaged, step: int) -> int | None:
         outer.listen_first = False
         outer.listener = outer.listen_late(outer.outer_steps, got.behind)
     if outer.listener is not None:  # (its buffer holds the round's average)
+        if got.members_step is not None:  # the header's: a delayed run's count does not
+            step = got.members_step  # tell it (a dropped round moves the step, not the count)
         if not outer.listener.listened(got, step):
             return None  # kept, not applied: it still fetches its backlog
         outer.listener = None  # caught up: this round applies as theirs

@@ -1,7 +1,8 @@
 """A joiner listens: a member that contributes nothing until it holds the run's state, so the
-members never wait for its transfer (synchronous DiLoCo only).
+members never wait for its transfer (synchronous DiLoCo, or `overlap = "delayed"`, with one
+fragment).
 
-A synchronous joiner says `ready()` as soon as it registered (`diloco/join.py`): the members
+A joiner says `ready()` as soon as it registered (`diloco/join.py`): the members
 admit it at their next sync point, before its snapshot (their checkpoint) arrives. From that
 round on it listens:
 
@@ -28,6 +29,9 @@ round on it listens:
   backlog's last `shared`, then each kept round's counted reads), and applies this round's
   average with the members: its outer weights are theirs, bit for bit (the members' next
   rows' `outer_sha256` show it), and it contributes from the next round.
+- With `overlap = "delayed"` each listened round is a delayed joiner's entry round (sync
+  point, all-reduce and vote at once, `DelayedDiloco._late_or_listening`), and a snapshot
+  holding the donor's finished, unapplied round settles it first (`settle_loaded`).
 
 With streaming fragments (`[diloco] fragments` > 1, `diloco/fragments.py`) it listens the
 same way: each round it sends zeros as long as the fragment the *members* sync (that of
@@ -225,6 +229,9 @@ class Listener:
         round kept comes next, in the background (none when the snapshot is of the boundary
         that admitted this node, or later)."""
         load_snapshot(self.run, self.outer, self.record, snapshot)
+        settle = getattr(self.outer, "settle_loaded", None)  # (delayed: the donor's pending
+        if settle is not None:  # round, which this node may not have kept, applies first)
+            settle()
         self.loaded, self.mine = True, self.outer.outer_steps
         first = self.kept[0].outer_step if self.kept else self.count + 1
         if self.mine + 1 < first:
@@ -304,7 +311,7 @@ def fetch_rate(mesh: MeshConfig) -> float | None:
 
 
 def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
-    """A synchronous joiner says `ready()` at once: admitted at the members' next sync point,
+    """A joiner that listens says `ready()` at once: admitted at the members' next sync point,
     it listens while its snapshot comes in the background (`diloco/listen.py`)."""
     membership = run.placement.membership
     assert membership is not None

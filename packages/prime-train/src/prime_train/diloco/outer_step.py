@@ -113,7 +113,7 @@ class Diloco:
         self.restore_shared: Callable[[dict[str, Any]], None] = lambda shared: None
         # a joiner admitted late replays the updates it missed, (its count, theirs) -> done?
         self.late_catch_up: Callable[[int, int], bool] | None = None
-        # or, synchronous only, listens (`diloco/listen.py`): (its count, behind) -> listener
+        # or listens (`diloco/listen.py`): (its count, behind) -> listener
         self.listen_late: Callable[[int, int], Any] | None = None
         self.listener: Any = None  # the listener while this joiner listens
         self.listen_first = False  # admitted before its snapshot came: it listens at once
@@ -196,7 +196,7 @@ class Diloco:
                 with (  # a listener's snapshot leaves the link to the all-reduce meanwhile
                     self.listener.collective() if self.listener is not None else nullcontext()
                 ):
-                    got = self.average(regrouped, contributing, reads)
+                    got = self.average(regrouped, contributing, reads, step=step)
                 if self.vote(got):
                     faults.stall_after_vote(self.outer_steps + 1, self.log)  # (a test's)
                     settled = settle_late(self, got, step)  # (a late joiner's or listener's)
@@ -240,12 +240,14 @@ class Diloco:
         contributing: bool,
         reads: list[int] | None = None,
         count: int | None = None,
+        step: int | None = None,
     ) -> Averaged:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
         point (`regrouped`: the group changed there); `contributing` is False for a joiner's
         first round; `reads`: the node's uncounted reads per data slot; `count`: the committed
         count it states and takes its fragment from (default `late_joiner.sync_count`: a
-        listener's is the members')."""
+        listener's is the members'); `step`: its inner step there (a listener learns the
+        members' from the header)."""
         count = sync_count(self) if count is None else count
         feedback = self.feedback.prepare(contributing, self.fragments.span(count))
         got = average_pseudo_gradient(
@@ -260,6 +262,7 @@ class Diloco:
             weighted=self.cfg.round_seconds > 0,
             # a late joiner's (zero) payload: the fragment of the members' count, not its own
             payload_for=self.fragments.payload_for if self.fragments.count > 1 else None,
+            step=step,
         )
         if got.mismatch and contributing:
             self._warn("a node entered with another outer step count (a late joiner: it "
