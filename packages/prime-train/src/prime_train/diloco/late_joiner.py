@@ -14,14 +14,30 @@ the members' count (`Listener.count`), not of its own stale one (`sync_count`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
+    from prime_train.diloco.fragments import Fragments
     from prime_train.diloco.outer_optimizer import OuterOptimizer
-    from prime_train.diloco.outer_step import Diloco
+
+
+class Diloco(Protocol):
+    """What joining late needs of the outer step (`diloco/outer_step.py`'s `Diloco`, which
+    imports this module: named here by its shape, not imported back)."""
+
+    listener: Any  # the `diloco/listen.py` Listener while it listens
+    listen_first: bool
+    listen_late: Callable[[int, int], Any] | None
+    late_catch_up: Callable[[int, int], bool] | None
+    fragments: Fragments
+    period: int
+
+    @property
+    def outer_steps(self) -> int: ...
 
 
 class JoinedLate(RunDirError):
