@@ -96,14 +96,15 @@ class DelayedDiloco(Diloco):
         """A joiner's first round (see the seam): its zero pseudo-gradient's round, settled at
         once. JoinedLate if it was admitted after a later round than the state it loaded."""
         self.feedback.reset()
-        self._settle_loaded()
+        self.settle_loaded()
         self._start(step, contributing=False)
         return self.finish()
 
-    def _settle_loaded(self) -> None:
+    def settle_loaded(self) -> None:
         """A joiner whose snapshot holds the donor's finished, unapplied round (no update
         replayed since, which would have dropped it): apply it, or drop it, as the members do
-        at the sync point this joiner enters at, before it is admitted there. No row: its
+        at the sync point this joiner enters at, before it is admitted there (a listener:
+        as soon as its snapshot is loaded, before the rounds it kept). No row: its
         report would read the mesh, not this node's yet; the next sync's row has the hash."""
         rnd, self._round = self._round, dict(_NO_ROUND)
         if rnd["state"] != "committed":
@@ -281,11 +282,6 @@ class DelayedDiloco(Diloco):
         # logged under its round's step: a joiner that replayed it joins the round after
         self.log_update(report, step=int(rnd["step"]))
         return report
-
-    def settle_loaded(self) -> None:
-        """A listener's snapshot came: apply (or drop) the finished, unapplied round it holds,
-        as the donor did at its next sync point (see `_settle_loaded`)."""
-        self._settle_loaded()
 
     # -- checkpoints ------------------------------------------------------------------------
 
