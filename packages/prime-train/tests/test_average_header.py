@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from prime_testkit import WorldMesh, free_port, gloo_world
+from prime_testkit import WorldMesh, gloo_world
 from prime_train.diloco.average import average_pseudo_gradient
 
 STEP = 123_456_789  # > 2**24: a float32 sum of it would round
@@ -30,11 +30,7 @@ def _worker(rank, world, port, q):
 
 @pytest.mark.timeout(120)
 def test_the_header_carries_the_contributors_step_to_a_listener(children):
-    world, port = 3, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_worker, r, world, port, q)
-    results = dict(q.get(timeout=100) for _ in range(world))
+    results = children.ranks(_worker, 3)
     for out in results.values():
         assert out["error"] is None, out
         assert out["step"] == STEP and out["contributors"] == 2, out

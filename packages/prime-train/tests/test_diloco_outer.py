@@ -118,11 +118,7 @@ def _agree_worker(rank, world, port, q):
 def test_resume_agreement_refuses_to_start_over_when_nodes_share_no_step(children):
     """The newest step all nodes hold; None for a fresh run; and when a node holds checkpoints
     but none is common (say a node restarted under a new name), every node refuses alike."""
-    world, port = 2, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_agree_worker, r, world, port, q)
-    results = dict(q.get(timeout=90) for _ in range(world))
+    results = children.ranks(_agree_worker, 2, timeout=90)
     for out in results.values():
         assert out["common"] == 20 and out["fresh"] is None, out
         assert out["none shared"].startswith("refused: the nodes share no checkpoint step"), out

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from prime_testkit import WorldMesh, free_port, gloo_world
+from prime_testkit import WorldMesh, gloo_world
 from prime_train.config import Config, DilocoConfig
 from prime_train.diloco import Diloco, make_outer_step
 from prime_train.diloco.average import average_pseudo_gradient
@@ -98,11 +98,7 @@ def _worker(rank, world, port, q):
 
 @pytest.mark.timeout(120)
 def test_residual_is_carried_kept_on_retry_checkpointed_and_zero_for_a_joiner(children):
-    world, port = 2, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_worker, r, world, port, q)
-    results = dict(q.get(timeout=100) for _ in range(world))
+    results = children.ranks(_worker, 2)
     for rank, out in results.items():
         assert max(out["identity"]) < 1e-4, (rank, out["identity"])
         assert min(out["residual_rms"]) > 0, "no residual was kept"
@@ -147,11 +143,7 @@ def _delayed_worker(rank, world, port, q):
 def test_delayed_overlap_keeps_a_committed_rounds_residual_and_not_a_dropped_ones(children):
     """`overlap = "delayed"`: the background round sends P + residual and keeps the new
     residual when its vote commits; a dropped round leaves it; the nodes stay identical."""
-    world, port = 2, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_delayed_worker, r, world, port, q)
-    results = dict(q.get(timeout=100) for _ in range(world))
+    results = children.ranks(_delayed_worker, 2)
     for out in results.values():
         assert out["carried"] and out["untouched_by_dropped_round"] and out["kept_at_commit"]
         assert out["in_state"] and out["outer_steps"] == 2
@@ -183,11 +175,7 @@ def test_weighted_rounds_add_the_carried_residual_after_the_weight(children):
     """Time-budgeted rounds weigh each node's pseudo-gradient by its reads; a carried residual
     is added after that weight (it is already in sent units): w x P + residual, not
     w x (P + residual)."""
-    world, port = 2, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_weighted_worker, r, world, port, q)
-    results = dict(q.get(timeout=100) for _ in range(world))
+    results = children.ranks(_weighted_worker, 2)
     for out in results.values():
         assert out["error"] is None and out["kept"] > 0
         assert out["off"] < 1e-4, out

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from prime_testkit import WorldMesh, free_port, gloo_world
+from prime_testkit import WorldMesh, gloo_world
 from prime_train.config import Config, DilocoConfig
 from prime_train.config_load import check_combined
 from prime_train.diloco import DelayedDiloco, Diloco, OuterOptimizer
@@ -104,11 +104,7 @@ def _step(w, g, m, lr=0.5, mu=0.5):
 
 @pytest.mark.timeout(120)
 def test_two_fragments_outer_math_by_hand(children):
-    world, port = 2, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_frag_worker, r, world, port, q)
-    results = dict(q.get(timeout=100) for _ in range(world))
+    results = children.ranks(_frag_worker, 2)
     a, b = results[0], results[1]
     assert a["boundaries"] == [2, 4, 6, 8]  # a sync every H / F = 2 inner steps
     assert a["fragments"] == b["fragments"] == [0, 1, 0]  # from the committed count
@@ -182,11 +178,7 @@ def test_a_listeners_round_averages_the_members_fragment(children):
     their fragment, not its own stale count's: the header matches (no mismatch, not behind),
     the members' update lands in that fragment's buffer, and applying the backlog then the
     kept round, each to its own fragment, gives the member's outer weights bit for bit."""
-    world, port = 2, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_listener_worker, r, world, port, q)
-    results = dict(q.get(timeout=100) for _ in range(world))
+    results = children.ranks(_listener_worker, 2)
     member, listener = results[0], results[1]
     assert member["contributors"] == 1 and member["nodes"] == 2, member
     assert listener["error"] is None and listener["late"] is None, listener
@@ -274,11 +266,7 @@ def _delayed_worker(rank, world, port, folder, q):
 
 @pytest.mark.timeout(120)
 def test_two_fragments_with_overlap_by_hand(children, tmp_path):
-    world, port = 2, free_port()
-    q = children.queue()
-    for r in range(world):
-        children.process(_delayed_worker, r, world, port, tmp_path, q)
-    results = dict(q.get(timeout=100) for _ in range(world))
+    results = children.ranks(_delayed_worker, 2, tmp_path)
     a, b = results[0], results[1]
     rows = [[(r["outer_step"], r["step"], r["round_step"], r["fragment"]) for r in x["rows"]]
             for x in (a, b)]  # fmt: skip

@@ -87,6 +87,15 @@ class Children:
         self.procs.append(p)
         return p
 
+    def ranks(self, worker: Callable[..., Any], world: int, *args: Any, timeout: float = 100):
+        """Run `worker(rank, world, port, *args, queue)` in `world` spawned children that meet
+        at a free port (a gloo world, `gloo_world`); each puts one `(rank, result)` on the
+        queue. Returns {rank: result}, waiting at most `timeout` seconds for each."""
+        port, q = free_port(), self.queue()
+        for r in range(world):
+            self.process(worker, r, world, port, *args, q)
+        return dict(q.get(timeout=timeout) for _ in range(world))
+
     def queue(self):
         """A spawn-context queue. Send plain data or numpy arrays, not tensors: torch shares a
         tensor's storage by file descriptor, which is gone once the sending child exits."""

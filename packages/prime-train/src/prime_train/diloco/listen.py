@@ -30,7 +30,7 @@ round on it listens:
   average with the members: its outer weights are theirs, bit for bit (the members' next
   rows' `outer_sha256` show it), and it contributes from the next round.
 - With `overlap = "delayed"` each listened round is a delayed joiner's entry round (sync
-  point, all-reduce and vote at once, `DelayedDiloco._late_or_listening`), and a snapshot
+  point, all-reduce and vote at once, then `late_joiner.settle_late`), and a snapshot
   holding the donor's finished, unapplied round settles it first (`settle_loaded`).
 
 With streaming fragments (`[diloco] fragments` > 1, `diloco/fragments.py`) it listens the
