@@ -97,3 +97,43 @@ def test_a_waiting_node_that_dies_changes_no_epoch():
     assert not [msg for msg in ca.sent if msg.get("type") == "epoch" and msg["epoch"]["epoch"] > 1]
     _sync_all(m, [(a, ca)])  # the member's sync point goes through unchanged
     assert ca.sent[-1]["epoch"]["epoch"] == 1 and m.epoch == 1
+
+
+def _replies(conn, req: int) -> list[dict]:
+    return [msg for msg in conn.sent if msg.get("type") == "reply" and msg.get("id") == req]
+
+
+def test_a_listeners_ballot_is_not_waited_for():
+    """A member that arrived at its sync point `listening` (a joiner that brings nothing yet)
+    does not hold the others' vote: on a slow link its collective ends after theirs. Its
+    ballot counts when it came in time; a late one gets the result decided without it."""
+    m = Membership(min_nodes=2)
+    (a, ca), (b, cb) = _register(m, "a"), _register(m, "b")
+    c, cc = _register(m, "c")
+    _sync_all(m, [(a, ca), (b, cb)])  # admits "c"
+    assert m.epoch == 2
+    for node, conn, listening in ((a, ca, False), (b, cb, False), (c, cc, True)):
+        m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "listening": listening})
+    assert all(_replies(conn, 2) for conn in (ca, cb, cc)), "the sync point passed"
+
+    m.vote(a, 0, ca, 3, {"epoch": m.epoch, "seq": 0, "ok": True})
+    assert not _replies(ca, 3), "a contributor's ballot is still awaited"
+    m.vote(b, 0, cb, 3, {"epoch": m.epoch, "seq": 0, "ok": True})
+    assert _replies(ca, 3)[0]["result"] is True and _replies(cb, 3)[0]["result"] is True
+    m.vote(c, 0, cc, 3, {"epoch": m.epoch, "seq": 0, "ok": False})  # late, and failed there
+    assert _replies(cc, 3)[0]["result"] is True, "told what the members decided"
+
+    # a listener's ballot that came in time counts: a failed one drops the round for all
+    m.vote(c, 0, cc, 4, {"epoch": m.epoch, "seq": 1, "ok": False})
+    m.vote(a, 0, ca, 4, {"epoch": m.epoch, "seq": 1, "ok": True})
+    m.vote(b, 0, cb, 4, {"epoch": m.epoch, "seq": 1, "ok": True})
+    assert [_replies(k, 4)[0]["result"] for k in (ca, cb, cc)] == [False, False, False]
+
+    # once it arrives contributing, its ballot is waited for again
+    for node, conn in ((a, ca), (b, cb), (c, cc)):
+        m.sync(node, 0, conn, 5, {"epoch": m.epoch, "admit": True})
+    m.vote(a, 0, ca, 6, {"epoch": m.epoch, "seq": 2, "ok": True})
+    m.vote(b, 0, cb, 6, {"epoch": m.epoch, "seq": 2, "ok": True})
+    assert not _replies(ca, 6) and not _replies(cb, 6)
+    m.vote(c, 0, cc, 6, {"epoch": m.epoch, "seq": 2, "ok": True})
+    assert [_replies(k, 6)[0]["result"] for k in (ca, cb, cc)] == [True, True, True]

@@ -268,7 +268,9 @@ class ElasticDeviceMesh(MeshViews):
 
         Every member must call it the same number of times per epoch. A False vote (or a
         changed epoch) makes the result False for all, and marks the group suspect so the next
-        maybe_reinit_global_pg() builds a fresh one.
+        maybe_reinit_global_pg() builds a fresh one. A member that arrived at its last sync
+        point `listening` is not waited for: its late ballot gets the result decided without
+        it (True even when its own collective failed: it must not use that round).
         """
         try:
             self._check()  # the coordinator may be lost since the sync point (overlapped round)

@@ -262,6 +262,7 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
                 record.late += 1
                 if not replaying(outer) or record.late > MAX_LATE:
                     raise
+                _stop_listening(outer, record)  # (its round's all-reduce failed: see `vote`)
                 run.log.warn(
                     f"admitted a round late ({e}); leaving, replaying the rounds since and "
                     f"asking again ({record.late} of at most {MAX_LATE})"

@@ -44,7 +44,7 @@ from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
-from prime_train.diloco.late_joiner import settle_late, sync_count, sync_part
+from prime_train.diloco.late_joiner import JoinedLate, settle_late, sync_count, sync_part
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
@@ -341,6 +341,8 @@ class Diloco:
         """Ask every member whether this attempt's all-reduce worked (`should_commit`); if all
         say yes and the average counted this node, its new residual becomes its own."""
         committed = self.mesh.should_commit(got.error is None)
+        if committed and got.error is not None:  # (a listener: its ballot is not waited for)
+            raise JoinedLate(f"its all-reduce failed while the members committed: {got.error}")
         if committed and got.late is None:
             self.feedback.commit()
         return committed
