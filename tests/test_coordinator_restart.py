@@ -246,3 +246,66 @@ def test_coordinator_restarted_while_a_joiner_listens(tmp_path, token_cache, chi
     for k in shared:
         assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
     assert max(r["epoch"] for r in theirs.values()) >= 2, "re-formed by the restarted coordinator"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_coordinator_restarted_after_a_listener_loaded_its_snapshot(
+    tmp_path, token_cache, children
+):
+    """A listener that already loaded its snapshot goes on listening (a fault hook holds it
+    there, as a slow backlog would: it keeps each round and catches up with none); the
+    coordinator is SIGKILLed and restarted on the same port meanwhile. The restarted
+    coordinator re-forms the run from the member at the newest outer step and sends the
+    listener away; holding a state of its own, it registers again and catches up from the
+    member's update log (`_catch_up_again`), says ready and enters: its outer hash equals the
+    member's at every outer step it took, and both exit 0 on SIGTERM. 18-42 s on 2 shared
+    cores (load 3-5)."""
+    port = free_port()
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN, 1)
+    member_dir, joiner_dir = tmp_path / "node0", tmp_path / "joiner"
+    endless = {"coordinator": f"127.0.0.1:{port}", "host": "127.0.0.1", "token": TOKEN,
+               "cache": token_cache, "steps": 5000, "inner_steps": H}  # fmt: skip
+    member = start_cli_node(children, member_dir, **endless)
+    wait_until(lambda: 1 in outer_by_step(folder_metrics(member_dir)) or member.poll() is not None,
+               240, what="the member's first outer step")  # fmt: skip
+    hold = {"PRIME_TRAIN_FAULT_HOLD_LISTENING_S": "300"}  # (ends when it is sent away)
+    joiner = start_cli_node(children, joiner_dir, env=hold, **endless)
+    procs = (member, joiner)
+    log = tmp_path / "joiner.log"
+
+    def loaded() -> bool:  # its snapshot in, the listener held on listening
+        text = log.read_text() if log.exists() else ""
+        return (
+            bool(re.search(r"snapshot of outer step \d+ in after listening", text))
+            and "fault hook: listening on" in text
+        ) or any(p.poll() is not None for p in procs)
+
+    wait_until(loaded, 180, what="the listener's snapshot loaded")
+    assert all(p.poll() is None for p in procs), log_tails(tmp_path)
+    coord.send_signal(signal.SIGKILL)
+    coord.wait(timeout=30)
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN, 1)
+
+    def contributed() -> bool:
+        rows = outer_by_step(folder_metrics(joiner_dir)).values()
+        return any(r["contributors"] == 2 for r in rows) or any(p.poll() is not None for p in procs)
+
+    wait_until(contributed, 240, what="a round the joiner contributed to")
+    for p in procs:  # each stops at its next outer boundary
+        p.send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in procs]
+    coord.send_signal(signal.SIGTERM)
+    coord.wait(timeout=30)
+    assert codes == [0, 0], log_tails(tmp_path)
+    text = log.read_text()
+    assert "lost its place while listening" in text, log_tails(tmp_path)
+    assert "registering again and catching up again" in text, log_tails(tmp_path)
+    joined = [r for r in folder_metrics(joiner_dir) if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["late_admissions"] >= 1, (joined, log_tails(tmp_path))
+    mine, theirs = (outer_by_step(folder_metrics(f)) for f in (joiner_dir, member_dir))
+    shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
+    assert shared, log_tails(tmp_path)
+    for k in shared:
+        assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
+    assert max(r["epoch"] for r in theirs.values()) >= 2, "re-formed by the restarted coordinator"

@@ -6,7 +6,8 @@ test process; node 2 trains at about a fifth of the others' speed (a fault hook)
 most `inner_steps`), so the fast nodes keep most of their inner steps, the slow node still
 contributes to most rounds with fewer, and the average weighs each by its tokens. The run is
 stopped (SIGTERM) after a few rounds and resumed: the committed state comes back exactly (the
-steps after it depend on the clock). No assertion is on wall time.
+steps after it depend on the clock). No assertion is on wall time. The last test: a joiner
+listening (`diloco/listen.py`) through time-budgeted rounds while its snapshot comes.
 """
 
 import re
@@ -18,7 +19,14 @@ from pathlib import Path
 import pytest
 
 from prime_mesh import Coordinator
-from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_node, wait_until
+from prime_testkit import (
+    folder_metrics,
+    log_tails,
+    outer_by_step,
+    start_cli_node,
+    stop_once_contributing,
+    wait_until,
+)
 
 TOKEN = "stragglers-test-token"
 H = 20
@@ -135,3 +143,52 @@ def test_time_budgeted_rounds_overlap_delayed(tmp_path, token_cache, children):
     assert statistics.median(steps[1]) < statistics.median(steps[0]), steps
     contributed = [s for s in outer[1] if outer[1][s]["round_tokens"] > 0]
     assert len(contributed) >= 0.75 * len(outer[1]), steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_time_budgeted_rounds_with_a_listening_joiner(tmp_path, token_cache, children):
+    """Two nodes run time-budgeted rounds; a third joins mid-run while the members serve at
+    3 Mbit/s each (its ~8.7 MB snapshot, from both at once, takes ~12 s: several rounds). It
+    is admitted at once and listens (`diloco/listen.py`): a member contributing nothing to
+    rounds that end by the clock, the members' weighted average counting its reads as none;
+    then it enters with the members' outer hash, its rows at their steps, and every node
+    exits 0 on SIGTERM. 42-45 s on 2 shared cores (load 3-5)."""
+    n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
+    node = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": H,
+            "args": ["--diloco.round_seconds", "2", "--mesh.serve_mbit", "3"]}  # fmt: skip
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    try:
+        members = []
+        for k, folder in enumerate((n0, n1)):
+            members.append(start_cli_node(children, folder, coordinator=coord.address,
+                                          cache=token_cache, **node))  # fmt: skip
+            wait_until(lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k}")
+        wait_until(lambda: 2 in outer_by_step(folder_metrics(n0))
+                   or any(p.poll() is not None for p in members), 240,
+                   what="the members' second outer step")  # fmt: skip
+        assert all(p.poll() is None for p in members), log_tails(tmp_path)
+        joiner = start_cli_node(children, n2, coordinator=coord.address, cache=token_cache,
+                                **node)  # fmt: skip
+        codes = stop_once_contributing(n0, [*members, joiner], contributors=3, timeout=240)
+    finally:
+        coord.close()
+    assert codes == [0, 0, 0], log_tails(tmp_path)
+    joined = [r for r in folder_metrics(n2) if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["listened"] >= 2, (joined, log_tails(tmp_path))
+    assert joined[0]["late_admissions"] == 0, joined
+    log = (n2.with_suffix(".log")).read_text()
+    assert "admitted before its snapshot arrived" in log and "caught up after listening" in log
+    outer = [outer_by_step(folder_metrics(f)) for f in (n0, n1, n2)]
+    mine, first = outer[2], min(outer[2])
+    for theirs in outer[:2]:  # its rows: the members' hash and step, at every outer step
+        shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go on)
+        assert shared, log_tails(tmp_path)
+        for k in shared:
+            same = [mine[k][key] == theirs[k][key] for key in ("outer_sha256", "step")]
+            assert all(same), (k, mine[k], theirs[k], log_tails(tmp_path))
+    # the rounds it listened to: it in the group, contributing nothing, no tokens counted
+    for k in range(first - joined[0]["listened"] + 1, first + 1):
+        row = outer[0][k]
+        assert row["nodes"] == 3 and row["contributors"] == 2, row
+        assert row["round_tokens"] + outer[1][k]["round_tokens"] == row["round_tokens_all"], k

@@ -11,6 +11,7 @@ environment itself.
 | `PRIME_TRAIN_FAULT_STALL_AFTER_VOTE` | with `PRIME_TRAIN_FAULT_STALL_S` (and `_UNTIL`): once the commit vote of outer step N has passed, the training thread blocks, once, before it records the round: the others may leave the node out meanwhile, and it learns of that eviction only after its round committed |
 | `PRIME_TRAIN_FAULT_SLOW_FACTOR` | every inner step takes about N times as long (the training thread sleeps N - 1 times the step's own time after it): a node on a slower machine |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
+| `PRIME_TRAIN_FAULT_HOLD_LISTENING_S` | a listener (`diloco/listen.py`) that loaded its snapshot goes on listening (keeping each round, catching up with none) for at most this many seconds, or until it stops listening (sent away, say), once per process: as if its backlog were slow to come, so that a test can restart the coordinator while it holds its state and kept rounds |
 | `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
 """
 
@@ -123,3 +124,31 @@ def wait_after_snapshot(log: Log | None, holder: Any, outer_step: int) -> None:
     end = time.monotonic() + 600.0
     while time.monotonic() < end and not os.path.exists(path):
         time.sleep(0.2)
+
+
+HOLD_LISTENING_ENV = "PRIME_TRAIN_FAULT_HOLD_LISTENING_S"
+_hold_listening = [_seconds(HOLD_LISTENING_ENV), 0.0]  # [seconds, its end]: once
+
+
+def holds_listening(log: Log | None, outer_step: int) -> bool:
+    """`PRIME_TRAIN_FAULT_HOLD_LISTENING_S`: whether a listener that loaded its snapshot (of
+    outer step `outer_step`) must keep listening this round instead of catching up."""
+    seconds, end = _hold_listening
+    if not seconds:
+        return False
+    if not end:
+        _hold_listening[1] = end = time.monotonic() + seconds
+        if log is not None:
+            log.info(
+                f"fault hook: listening on for at most {seconds:g} s after the snapshot of "
+                f"outer step {outer_step}"
+            )
+    if time.monotonic() < end:
+        return True
+    end_hold_listening()
+    return False
+
+
+def end_hold_listening() -> None:
+    """The listener stopped listening: the `holds_listening` hook is used up."""
+    _hold_listening[0] = 0.0
