@@ -48,7 +48,9 @@ def figures(job, args) -> dict:
 
     joiner = 2
     rows = read_metrics(job.node_dir(joiner) / "runs" / "debug" / "metrics.jsonl")
-    joined = next(r for r in rows if r.get("joined"))
+    joined = next((r for r in rows if r.get("joined")), None)
+    if joined is None:  # it listened until the run completed: nothing to measure
+        return {"checks": {"joiner_entered_before_the_run_ended (raise --steps)": False}}
     started = job.lives[joiner][0]
     mine = [r for r in rows if "outer_step" in r]
     first_contrib = next(
