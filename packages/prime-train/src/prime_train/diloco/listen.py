@@ -14,7 +14,8 @@ round on it listens:
   longer than that need a larger `mesh.sync_timeout`.
 - It takes part in the all-reduce with a zeroed pseudo-gradient, its reads counting as nothing
   (the exact header: not a contributor, and the members' outer step count, so nobody sees a
-  mismatch), and keeps each committed round's update, the same bits every member applies
+  mismatch; the members do not wait for its ballot in the commit vote, prime-mesh), and keeps
+  each committed round's update, the same bits every member applies
   (what their log entry of that round holds), on disk (packed, ~1.25 B/param per round;
   uint8 compression), with the round's counted reads and members (a few numbers, in RAM).
 - Meanwhile local rank 0 fetches the snapshot in the background (`snapshot.Background`), from
