@@ -8,8 +8,7 @@ ok), and everything held is answered when a new epoch starts. A slot that arrive
 sync point `listening` (a joiner that brings nothing yet) is not waited for in a vote: on a
 slow link its collective ends after the others', and they must not wait for its transfer; its
 ballot counts if it came in time, and a late one is answered with the result decided without
-it. Pure logic, no sockets: answers
-go out through `Conn.send` (which queues).
+it. Pure logic, no sockets: answers go out through `Conn.send` (which queues).
 """
 
 from __future__ import annotations
