@@ -277,13 +277,15 @@ class Listener:
                 data.commit(kept.consumed, kept.members)  # as the members moved them
         if self.outer.fragments.count > 1:  # its local weights: the outer ones, as `enter`'s
             self.outer.rollback_to_outer()  # (a fragment not replayed holds the donor's)
-        self.close()
+        self.close(caught_up=True)
 
-    def close(self) -> None:
-        """Done (caught up or given up): the outer step stops listening; files go."""
+    def close(self, caught_up: bool = False) -> None:
+        """Done (`caught_up`, or given up): the outer step stops listening; files go. A node
+        that gives up keeps its hold where it is: catching up again needs the entries after
+        its own state, which the kept rounds it drops no longer stand in for."""
         self.outer.listener = None
         faults.end_hold_listening()
-        if self.record.holder is not None:
+        if caught_up and self.record.holder is not None:
             self.record.holder.first = self.count + 1  # nothing older is needed any more
         shutil.rmtree(self.folder, ignore_errors=True)
 
