@@ -212,3 +212,41 @@ def test_a_listening_joiner_stopped_by_sigterm_leaves_at_once(tmp_path, token_ca
     said = (tmp_path / "joiner.log").read_text()
     assert "SIGTERM received before training began" in said and "left the mesh" in said, said
     assert not [r for r in folder_metrics(joiner_dir) if "outer_step" in r]  # it never entered
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_listener_whose_all_reduce_failed_in_a_committed_round_catches_up_again(
+    tmp_path, token_cache, children
+):
+    """The members do not wait for a listener's ballot (prime-mesh). A listener whose own
+    all-reduce failed in a round they committed (a fault hook: its second listened round
+    fails on it alone, and its ballot goes out 1 s late) is told the round committed: it does
+    not hold that round's update, so it leaves, catches up again and enters with the member's
+    hash. The member never retried a round for it."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=1).start()
+    slow = {**NODE, "args": ["--mesh.serve_mbit", "3"]}  # the snapshot takes several rounds
+    n0, joiner_dir = tmp_path / "node0", tmp_path / "joiner"
+    fails = {"PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS": "2"}
+    try:
+        member = start_cli_node(children, n0, coordinator=coord.address, cache=token_cache,
+                                **slow)  # fmt: skip
+        wait_until(lambda: 1 in outer_by_step(folder_metrics(n0)) or member.poll() is not None,
+                   240, what="the member's first outer step")  # fmt: skip
+        joiner = start_cli_node(children, joiner_dir, coordinator=coord.address,
+                                cache=token_cache, env=fails, **slow)  # fmt: skip
+        codes = stop_once_contributing(joiner_dir, [member, joiner], 2)
+    finally:
+        coord.close()
+    assert codes == [0, 0], log_tails(tmp_path)
+    said = (tmp_path / "joiner.log").read_text()
+    assert "round 2 fails here" in said, log_tails(tmp_path)
+    assert "its all-reduce failed while the members committed" in said, log_tails(tmp_path)
+    joined = [r for r in folder_metrics(joiner_dir) if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["late_admissions"] >= 1, joined
+    mine, theirs = outer_by_step(folder_metrics(joiner_dir)), outer_by_step(folder_metrics(n0))
+    assert all(r["attempts"] == 1 for r in theirs.values()), "the member never waited or retried"
+    shared = [k for k in mine if k in theirs]
+    assert shared, log_tails(tmp_path)
+    for k in shared:
+        assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))

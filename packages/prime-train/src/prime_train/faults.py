@@ -12,6 +12,7 @@ environment itself.
 | `PRIME_TRAIN_FAULT_SLOW_FACTOR` | every inner step takes about N times as long (the training thread sleeps N - 1 times the step's own time after it): a node on a slower machine |
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 | `PRIME_TRAIN_FAULT_HOLD_LISTENING_S` | a listener (`diloco/listen.py`) that loaded its snapshot goes on listening (keeping each round, catching up with none) for at most this many seconds, or until it stops listening (sent away, say), once per process: as if its backlog were slow to come, so that a test can restart the coordinator while it holds its state and kept rounds |
+| `PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS` | a listener's Nth round after the one that admitted it: its all-reduce counts as failed on it alone, and its ballot goes out 1 s late, once per process: the members, who do not wait for a listener's ballot, commit without it, and it learns that it lacks the round's update |
 | `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
 """
 
@@ -152,3 +153,23 @@ def holds_listening(log: Log | None, outer_step: int) -> bool:
 def end_hold_listening() -> None:
     """The listener stopped listening: the `holds_listening` hook is used up."""
     _hold_listening[0] = 0.0
+
+
+LISTENER_ROUND_FAILS_ENV = "PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS"
+_listener_rounds = [int(_seconds(LISTENER_ROUND_FAILS_ENV)), 0]  # [the round, rounds seen]
+
+
+def listener_round_fails(log: Log | None) -> str | None:
+    """`PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS`: called by a listener before each vote; at its
+    Nth round (once) wait 1 s and return the error its all-reduce is taken to have had."""
+    at, seen = _listener_rounds
+    if not at:
+        return None
+    _listener_rounds[1] = seen = seen + 1
+    if seen != at:
+        return None
+    _listener_rounds[0] = 0
+    if log is not None:
+        log.info(f"fault hook: this listener's round {seen} fails here; its ballot goes late")
+    time.sleep(1.0)
+    return "fault hook: the listener's all-reduce failed"

@@ -262,7 +262,14 @@ def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> 
                 record.late += 1
                 if not replaying(outer) or record.late > MAX_LATE:
                     raise
-                _stop_listening(outer, record)  # (its round's all-reduce failed: see `vote`)
+                # (a listener that gave up: its round's all-reduce failed, see `vote`)
+                fresh = listening(outer) and record.pending is not None
+                _stop_listening(outer, record)
+                if fresh:  # no state of its own yet: as a fresh joiner again
+                    run.log.warn(f"{e}; registering again and listening again ({record.late} "
+                                 f"of at most {MAX_LATE})")  # fmt: skip
+                    record = _listen_again(run, outer, record, e)
+                    continue
                 run.log.warn(
                     f"admitted a round late ({e}); leaving, replaying the rounds since and "
                     f"asking again ({record.late} of at most {MAX_LATE})"
