@@ -23,6 +23,7 @@ from prime_testkit import (
     outer_rows,
     start_cli_node,
     start_coordinator_cli,
+    stop_once_contributing,
     wait_until,
 )
 from prime_train.metrics import read_metrics
@@ -221,31 +222,14 @@ def test_coordinator_restarted_while_a_joiner_listens(tmp_path, token_cache, chi
     wait_until(listened, 180, what="a round with the listening joiner")
     assert all(p.poll() is None for p in procs), log_tails(tmp_path)
     assert not [r for r in folder_metrics(joiner_dir) if r.get("joined")], "snapshot too fast"
-    coord.send_signal(signal.SIGKILL)
-    coord.wait(timeout=30)
-    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN, 1)
-
-    def contributed() -> bool:
-        rows = outer_by_step(folder_metrics(joiner_dir)).values()
-        return any(r["contributors"] == 2 for r in rows) or any(p.poll() is not None for p in procs)
-
-    wait_until(contributed, 240, what="a round the joiner contributed to")
-    for p in procs:  # each stops at its next outer boundary
-        p.send_signal(signal.SIGTERM)
-    codes = [p.wait(timeout=120) for p in procs]
-    coord.send_signal(signal.SIGTERM)
-    coord.wait(timeout=30)
+    codes = _restart_coordinator_until_the_joiner_contributes(children, coord, port, tmp_path,
+                                                              joiner_dir, procs)  # fmt: skip
     assert codes == [0, 0], log_tails(tmp_path)
     joined = [r for r in folder_metrics(joiner_dir) if r.get("joined")]
     assert len(joined) == 1 and joined[0]["listened"] >= 1, (joined, log_tails(tmp_path))
     assert joined[0]["late_admissions"] == 1, joined  # sent away once, by the restart
     assert "lost its place while listening" in (tmp_path / "joiner.log").read_text()
-    mine, theirs = (outer_by_step(folder_metrics(f)) for f in (joiner_dir, member_dir))
-    shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
-    assert shared, log_tails(tmp_path)
-    for k in shared:
-        assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
-    assert max(r["epoch"] for r in theirs.values()) >= 2, "re-formed by the restarted coordinator"
+    _assert_the_members_hashes(joiner_dir, member_dir, tmp_path)
 
 
 @pytest.mark.slow
@@ -296,20 +280,8 @@ def test_coordinator_restarted_after_a_listener_loaded_its_snapshot(
 
     wait_until(past_the_log, 180, what="4 rounds past the listener's snapshot")
     assert all(p.poll() is None for p in procs), log_tails(tmp_path)
-    coord.send_signal(signal.SIGKILL)
-    coord.wait(timeout=30)
-    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN, 1)
-
-    def contributed() -> bool:
-        rows = outer_by_step(folder_metrics(joiner_dir)).values()
-        return any(r["contributors"] == 2 for r in rows) or any(p.poll() is not None for p in procs)
-
-    wait_until(contributed, 240, what="a round the joiner contributed to")
-    for p in procs:  # each stops at its next outer boundary
-        p.send_signal(signal.SIGTERM)
-    codes = [p.wait(timeout=120) for p in procs]
-    coord.send_signal(signal.SIGTERM)
-    coord.wait(timeout=30)
+    codes = _restart_coordinator_until_the_joiner_contributes(children, coord, port, tmp_path,
+                                                              joiner_dir, procs)  # fmt: skip
     assert codes == [0, 0], log_tails(tmp_path)
     text = log.read_text()
     assert "lost its place while listening" in text, log_tails(tmp_path)
@@ -319,6 +291,27 @@ def test_coordinator_restarted_after_a_listener_loaded_its_snapshot(
     # its hold kept the member's log from its own state on: it caught up from there, with no
     # second snapshot, though the rounds it had listened to outnumber what the log keeps
     assert joined[0]["snapshots"] == 1 and joined[0]["replayed"] >= 4, joined
+    _assert_the_members_hashes(joiner_dir, member_dir, tmp_path)
+
+
+def _restart_coordinator_until_the_joiner_contributes(
+    children, coord, port: int, tmp_path: Path, joiner_dir: Path, procs
+) -> list[int]:
+    """SIGKILL the coordinator and restart it on the same port; once the joiner contributed
+    to a round, SIGTERM the nodes (each stops at its next outer boundary), then the
+    coordinator. The nodes' exit codes."""
+    coord.send_signal(signal.SIGKILL)
+    coord.wait(timeout=30)
+    coord = start_coordinator_cli(children, port, tmp_path / "coordinator.log", TOKEN, 1)
+    codes = stop_once_contributing(joiner_dir, procs, 2, timeout=240)
+    coord.send_signal(signal.SIGTERM)
+    coord.wait(timeout=30)
+    return codes
+
+
+def _assert_the_members_hashes(joiner_dir: Path, member_dir: Path, tmp_path: Path) -> None:
+    """The joiner's outer hash equals the member's at every outer step both took, and the
+    restarted coordinator re-formed the run."""
     mine, theirs = (outer_by_step(folder_metrics(f)) for f in (joiner_dir, member_dir))
     shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
     assert shared, log_tails(tmp_path)
