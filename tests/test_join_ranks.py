@@ -23,11 +23,7 @@ def test_a_node_of_two_ranks_joins_two_running_ones(tmp_path, token_cache, child
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
     try:
-        nodes = []
-        for k, folder in enumerate((n0, n1)):
-            nodes.append(start_ranked_node(children, folder, 2, coordinator=coord.address,
-                                           cache=token_cache, **NODE))  # fmt: skip
-            wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
+        nodes = _start_two_ranked_nodes(children, coord, token_cache, (n0, n1))
         everyone = [p for ranks in nodes for p in ranks]
         wait_until(lambda: 1 in outer_by_step(folder_metrics(n0))
                    or any(p.poll() is not None for p in everyone), 240,
@@ -78,11 +74,7 @@ def test_a_stalled_node_of_two_ranks_is_evicted_and_rejoins_by_itself(
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     n0, n1 = tmp_path / "node0", tmp_path / "node1"
     try:
-        nodes = []
-        for k, folder in enumerate((n0, n1)):
-            nodes.append(start_ranked_node(children, folder, 2, coordinator=coord.address,
-                                           cache=token_cache, **NODE))  # fmt: skip
-            wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
+        nodes = _start_two_ranked_nodes(children, coord, token_cache, (n0, n1))
         everyone = [p for ranks in nodes for p in ranks]
 
         def both_at(step: int) -> bool:
@@ -132,3 +124,14 @@ def test_a_stalled_node_of_two_ranks_is_evicted_and_rejoins_by_itself(
         assert len(mine[k]["shard_sha256"]) == 2, mine[k]
         assert mine[k]["shard_sha256"] == theirs[k]["shard_sha256"], (k, log_tails(tmp_path))
         assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
+
+
+def _start_two_ranked_nodes(children, coord, token_cache, folders) -> list[list]:
+    """Each folder's node of two ranks, started in turn (each registered before the next), so
+    that the nodes' order in the run is the folders'."""
+    nodes = []
+    for k, folder in enumerate(folders):
+        nodes.append(start_ranked_node(children, folder, 2, coordinator=coord.address,
+                                       cache=token_cache, **NODE))  # fmt: skip
+        wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
+    return nodes
