@@ -272,3 +272,39 @@ def test_delayed_rounds_hand_a_slot_over_only_once_its_last_reads_are_settled(th
         assert len(set(read["c"])) == len(read["c"])
         assert not set(read["c"]) & (set(read["a"]) | set(read["b"])), (read, chains)
         assert len(counted) == len(set(counted))
+
+
+@pytest.mark.parametrize("slots,reads", [(8, 4), (8, 3), (32, 8), (5, 2)])
+def test_a_node_reading_fewer_sequences_a_round_than_it_holds_slots_moves_every_slot(slots, reads):
+    """A slow node (time-budgeted rounds: one step a round) reads fewer sequences than it holds
+    slots; its turn goes on across rounds, so every slot moves at least every ceil(k / r)
+    rounds (a round starting at the first slot would never read the last ones)."""
+    ld = loader("a", slots=slots, batch=reads)
+    ld.reassign(["a"])
+    every = -(-slots // reads)
+    last_moved = dict.fromkeys(range(slots), 0)
+    for k in range(1, 4 * every + 1):
+        seen = [int(x) for x in ld.next_batch()[0][:, 0]]
+        assert len({i % slots for i in seen}) == reads  # one read per slot, `reads` slots
+        ld.end_round()
+        for s, (a, b) in ld.commit(ld.uncommitted(), ["a"]).items():
+            assert b > a
+            last_moved[int(s)] = k
+        assert all(k - last_moved[s] < every or last_moved[s] == k for s in range(slots))
+        assert max(ld.positions) - min(ld.positions) <= 1  # the turn keeps the slots level
+
+
+def test_the_turn_is_part_of_the_checkpoint_and_a_joiner_starts_its_own():
+    a = loader("a", slots=8, batch=3)
+    a.reassign(["a"])
+    a.next_batch()
+    a.end_round()
+    a.commit(a.uncommitted(), ["a"])
+    state = a.state_dict()
+    assert state["next_slot"] == 3
+    resumed = loader("a", slots=8, batch=3)
+    resumed.load_state_dict(state)
+    assert resumed.next_batch()[0][:, 0].tolist() == a.next_batch()[0][:, 0].tolist()
+    fresh = loader("b", slots=8, batch=3)
+    fresh.load_shared(a.shared_state())
+    assert fresh.next_slot == 0

@@ -10,9 +10,12 @@ committed position, its owner (`slots.assign_slots`), from which settled round i
 read it, and how many rounds have settled. A node's own state: how far it has read each slot
 (`cursor`, ahead of the committed position by what is not counted yet).
 
-A round: the node's ranks read batches across the node's readable slots in a fixed order
-(item i of the round -> slot `mine[i % k]`, the next unread sequence of it), each rank its own
-contiguous share of every step, so each slot's reads in a round are one contiguous range. At
+A round: the node's ranks read batches across the node's readable slots in turn (item i of
+the round -> slot `mine[(start + i) % k]`, the next unread sequence of it), each rank its own
+contiguous share of every step, so each slot's reads in a round are one contiguous range. The
+turn goes on across rounds (`start` follows the last slot read: the node's own `next_slot`), so
+a node that reads r < k sequences a round still moves every slot it holds at least every
+ceil(k / r) rounds; starting each round at its first slot would starve the others for good. At
 the outer step the node sends how far it read past the committed positions (`uncommitted`);
 the members sum those vectors in the outer step's exact header, and a committed round moves
 each slot's position by the sum (one reader per slot: its reads). A contribution that is not
@@ -72,6 +75,7 @@ class SlotLoader:
         # this node's own
         self.cursor: dict[int, int] = {}
         self.count = 0  # sequences the node read this round (all ranks)
+        self.next_slot = 0  # the slot the next round's turn starts at (or the next one held)
         self.mine: list[int] = []
         self._perms: dict[int, tuple[int, np.ndarray]] = {}
 
@@ -87,10 +91,14 @@ class SlotLoader:
         self.count += self.ranks * self.batch_size
         return seqs[:, :-1], seqs[:, 1:]
 
+    def _start(self) -> int:
+        """Where in `mine` this round's turn starts: at `next_slot`, or the next slot held."""
+        return next((j for j, s in enumerate(self.mine) if s >= self.next_slot), 0)
+
     def _item(self, i: int) -> int:
         """Dataset index of the round's item `i`."""
         k = len(self.mine)
-        slot = self.mine[i % k]
+        slot = self.mine[(self._start() + i) % k]
         return self.index(slot, self.cursor[slot] + i // k)
 
     def index(self, slot: int, position: int) -> int:
@@ -107,7 +115,7 @@ class SlotLoader:
     def _read_in_round(self, j: int) -> int:
         """Sequences of the round's slot `mine[j]` read so far this round."""
         k = len(self.mine)
-        return self.count // k + (j < self.count % k)
+        return self.count // k + ((j - self._start()) % k < self.count % k)
 
     # -- rounds -----------------------------------------------------------------------------
 
@@ -115,6 +123,8 @@ class SlotLoader:
         """The round's reads are done: fold them into the cursor."""
         for j, slot in enumerate(self.mine):
             self.cursor[slot] += self._read_in_round(j)
+        if self.mine:
+            self.next_slot = self.mine[(self._start() + self.count) % len(self.mine)]
         self.count = 0
 
     def uncommitted(self) -> list[int]:
@@ -211,12 +221,13 @@ class SlotLoader:
             # keys: a checkpoint loads strictly into another node's state (a joiner's)
             "cursor": [self.cursor.get(s, -1) for s in range(self.slots)],
             "count": self.count,
+            "next_slot": self.next_slot,
         }
 
     def load_shared(self, shared: dict[str, Any]) -> None:
         """Take the members' shared state (`shared_state()` of a member) and none of their
         own reads: a node catching up to them."""
-        self.load_state_dict({**shared, "cursor": [-1] * self.slots, "count": 0})
+        self.load_state_dict({**shared, "cursor": [-1] * self.slots, "count": 0, "next_slot": 0})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "slots" not in state:
@@ -235,4 +246,5 @@ class SlotLoader:
         self.settled = int(state["settled"])
         self.cursor = {s: int(at) for s, at in enumerate(state["cursor"]) if int(at) >= 0}
         self.count = int(state.get("count", 0))
+        self.next_slot = int(state.get("next_slot", 0))
         self._begin_round()
