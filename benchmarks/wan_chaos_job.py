@@ -45,6 +45,9 @@ class Job:
         self.t0 = time.time()
         self.first_commit: float | None = None
         self.lives: dict[int, list[float]] = {}  # node -> start times of its processes
+        self.every_proc: list[tuple[int, subprocess.Popen]] = []  # each node process started
+        self.killed: set[int] = set()  # pids this job SIGKILLed (their exit is not theirs)
+        self.env_for = lambda k: {}  # extra environment of node k's next process (fault hooks)
 
     # --- processes ---------------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -95,13 +98,15 @@ class Job:
                "--mesh.coordinator", self.coordinator,
                "--mesh.host", self.bed.ip(k),
                "--mesh.node_name", f"node{k}",
-               *(["--mesh.serve_mbit", str(a.serve_mbit)] if a.serve_mbit else [])]  # fmt: skip
+               *(["--mesh.serve_mbit", str(a.serve_mbit)] if a.serve_mbit else []),
+               *getattr(a, "extra_args", ())]  # fmt: skip
         log = open(self.dir / f"node{k}.log", "a")  # noqa: SIM115 - the child holds it
         self.procs[k] = self.children.popen(
-            self.bed.exec_prefix(k) + cmd, env=self.env(), stdout=log,
+            self.bed.exec_prefix(k) + cmd, env={**self.env(), **self.env_for(k)}, stdout=log,
             stderr=subprocess.STDOUT, cwd=folder,
         )  # fmt: skip
         log.close()
+        self.every_proc.append((k, self.procs[k]))
         self.lives.setdefault(k, []).append(time.time())
 
     def start(self) -> None:
@@ -116,9 +121,16 @@ class Job:
     def apply(self, e: Event, progress) -> None:
         """Apply one event now and add it to the timeline."""
         if e.kind == "kill":
+            self.killed.add(self.procs[e.node].pid)
             self._signal(self.procs[e.node], signal.SIGKILL)
             self.procs[e.node].wait(timeout=30)
+        elif e.kind == "term":
+            self._signal(self.procs[e.node], signal.SIGTERM)
+        elif e.kind == "stop":
+            for k in self.running():
+                self._signal(self.procs[k], signal.SIGTERM)
         elif e.kind == "restart":
+            self.procs[e.node].wait(timeout=120)  # a SIGTERMed node finishes its checkpoint
             self.start_node(e.node)
         elif e.kind == "stall":
             p = self.procs[e.node]

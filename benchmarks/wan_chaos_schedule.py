@@ -15,6 +15,8 @@ in order (each waits for its trigger after the previous one fired):
            add                   start the next spare node (same command, new machine)
            kill-coordinator      SIGKILL the `prime-mesh coordinator` process
            restart-coordinator   run it again on the same address
+           stop                  SIGTERM every running node (the end of a run that would
+                                 otherwise go on: benchmarks/churn.py)
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-NODE_EVENTS = ("kill", "restart", "stall", "cut", "restore")
-PLAIN_EVENTS = ("add", "kill-coordinator", "restart-coordinator")
+NODE_EVENTS = ("kill", "term", "restart", "stall", "cut", "restore")
+PLAIN_EVENTS = ("add", "kill-coordinator", "restart-coordinator", "stop")
 
 # every kind of fault, spaced so that the job settles between them
 DEFAULT = (
@@ -91,7 +93,8 @@ def _parse_one(parts: list[str]) -> Event:
 
 
 def _check(events: list[Event], nodes: int) -> None:
-    """Node indices exist, restarts follow kills, restores follow cuts, the coordinator alternates."""
+    """Node indices exist, restarts follow kills or terms, restores follow cuts, the
+    coordinator alternates, nothing follows a stop."""
     total = nodes + sum(e.kind == "add" for e in events)
     dead: set[int] = set()
     cut: set[int] = set()
@@ -99,11 +102,11 @@ def _check(events: list[Event], nodes: int) -> None:
     for e in events:
         if e.node is not None and not 0 <= e.node < total:
             raise ValueError(f"{e.label()}: there are nodes 0..{total - 1}")
-        if e.kind == "kill":
+        if e.kind in ("kill", "term"):
             dead.add(e.node)
         elif e.kind == "restart":
             if e.node not in dead:
-                raise ValueError(f"{e.label()}: node {e.node} was not killed before")
+                raise ValueError(f"{e.label()}: node {e.node} was not killed or stopped before")
             dead.discard(e.node)
         elif e.kind == "cut":
             cut.add(e.node)
@@ -119,6 +122,8 @@ def _check(events: list[Event], nodes: int) -> None:
             if coordinator_up:
                 raise ValueError("restart-coordinator: it was not killed before")
             coordinator_up = True
+        elif e.kind == "stop" and e is not events[-1]:
+            raise ValueError("stop ends the run: it must be the last event")
     if dead or cut or not coordinator_up:
         raise ValueError(
             "the schedule must end with every node restarted, every link restored and the "

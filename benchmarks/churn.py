@@ -1,0 +1,237 @@
+"""Randomized churn: a seeded schedule of events over one DiLoCo run on the WAN bed (root),
+checked from every node's rows.
+
+    uv run python benchmarks/churn.py                     # 20 seeds; prints how many held
+    uv run python benchmarks/churn.py --seed 7 --runs 1   # replay seed 7's schedule
+    uv run python benchmarks/churn.py --quick --runs 2    # CI's two short seeds
+
+Each seed draws a schedule (`draw`) in benchmarks/wan_chaos_schedule.py's language from its
+own random generator: SIGKILL and rerun, SIGTERM and rerun, SIGSTOP past the heartbeat
+timeout, fresh joiners, a member leaving while another node listens, a coordinator SIGKILL and
+restart; then every node still down is rerun, the job settles and every node is stopped with
+SIGTERM. The job (benchmarks/wan_chaos_job.py) runs `prime-mesh coordinator` and every node as
+`prime-train` in its own network namespace and working folder, on --mbit links. The same seed
+and settings draw the same schedule (the events' exact times depend on the machine).
+
+A run holds when, from all nodes' metrics rows:
+- one `outer_sha256` per outer step across every node, and no node's outer steps roll back;
+- every data slot's counted reads form one chain from 0 (nothing read twice or skipped);
+- no stretch without a commit longer than the sync timeout (--sync-timeout);
+- every node process exits 0 (except the ones the schedule SIGKILLed), and no namespace or
+  process is left behind.
+Prints each run's seed, schedule and checks, then a summary; exits 1 unless every run held.
+Without root it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # prime_testkit, prime_netbed
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import wan_chaos_report as report  # noqa: E402
+import wan_chaos_schedule as schedule  # noqa: E402
+from wan_chaos import run_job  # noqa: E402
+
+CHECKS = ("one_hash_per_outer_step", "no_rollback", "slot_chains", "commit_gaps",
+          "processes_exit_0", "no_namespace_or_process_left")  # fmt: skip
+
+
+def draw(seed: int, events: int, nodes: int, heartbeat_timeout: float) -> str:
+    """A schedule of `events` events for a run of `nodes` nodes (at most one more running at
+    a time), the same for the same arguments."""
+    rng = random.Random(seed)
+    up, down, spare, coordinator = set(range(nodes)), [], nodes, False
+    items: list[str] = []
+    wait = 0.0  # a stall's seconds: the next event comes after the node woke
+
+    def when() -> str:
+        return f"+{wait + rng.uniform(3, 9):.1f}" if items else "o3"
+
+    def arrive() -> int:  # a stopped node run again, else a fresh one
+        nonlocal spare
+        if down:
+            k = down.pop(rng.randrange(len(down)))
+            items.append(f"{when()}:restart:{k}")
+        else:
+            k, spare = spare, spare + 1
+            items.append(f"{when()}:add")
+        up.add(k)
+        return k
+
+    while len(items) + len(down) < events - 1:
+        kinds = ["kill", "term", "stall", "leave-while-listening"] if len(up) >= 2 else []
+        kinds += ["arrive"] * (len(up) <= nodes)
+        kinds += ["coordinator"] * (not coordinator and len(items) + len(down) < events - 3)
+        kind, stalled = rng.choice(kinds), 0.0
+        if kind in ("kill", "term"):
+            k = rng.choice(sorted(up))
+            up.discard(k)
+            down.append(k)
+            items.append(f"{when()}:{kind}:{k}")
+        elif kind == "stall":  # past the heartbeat timeout: evicted, it rejoins by itself
+            stalled = heartbeat_timeout + rng.uniform(1, 4)
+            items.append(f"{when()}:stall:{rng.choice(sorted(up))}:{stalled:.1f}")
+        elif kind == "arrive":
+            arrive()
+        elif kind == "leave-while-listening":  # a node comes; a member leaves while it listens
+            leaver = rng.choice(sorted(up))
+            arrive()
+            up.discard(leaver)
+            down.append(leaver)
+            items.append(f"+{rng.uniform(3, 6):.1f}:{rng.choice(['kill', 'term'])}:{leaver}")
+        else:
+            coordinator = True
+            items.append(f"{when()}:kill-coordinator")
+            items.append(f"+{rng.uniform(2, 5):.1f}:restart-coordinator")
+        wait = stalled
+    while down:
+        arrive()
+    return " ".join([*items, "back:stop"])
+
+
+def slot_chains(job) -> list[str]:
+    """What breaks "every slot's counted reads are one chain from 0": a slot read by two nodes
+    in one outer step, a gap or an overlap."""
+    first: dict[tuple[int, int], dict] = {}  # (node, outer step) -> its first row
+    for r in job.outer_rows():
+        first.setdefault((r["node"], r["outer_step"]), r)
+    reads: dict[int, list[tuple[int, int, int, int]]] = {}
+    problems = []
+    for (node, k), r in sorted(first.items(), key=lambda x: x[0][1]):
+        for slot, (a, b) in (r.get("data") or {}).items():
+            reads.setdefault(int(slot), []).append((a, b, k, node))
+    for slot, got in sorted(reads.items()):
+        at = 0
+        for a, b, k, node in sorted(got):
+            if a != at:
+                problems.append(f"slot {slot}: node{node} read {a}..{b} at outer step {k}, "
+                                f"expected from {at}")  # fmt: skip
+            at = max(at, b)
+    if not reads:
+        problems.append("no row carries data slot reads")
+    return problems
+
+
+def commit_gaps(job, limit: float) -> list[str]:
+    """Stretches without a commit longer than `limit` seconds."""
+    times = [t for t, _, _ in report.commits(job.outer_rows())]
+    return [f"{b - a:.1f} s without a commit before {b - job.t0:.1f} s"
+            for a, b in zip(times, times[1:], strict=False) if b - a > limit]  # fmt: skip
+
+
+def check(job, left: list[str], sync_timeout: float) -> dict[str, object]:
+    lost = report.nothing_lost(job, {}, left)
+    exits = {f"node{k} pid {p.pid}": p.returncode
+             for k, p in job.every_proc if p.pid not in job.killed}  # fmt: skip
+    chains, gaps = slot_chains(job), commit_gaps(job, sync_timeout)
+    return {
+        "one_hash_per_outer_step": lost["one_hash_per_outer_step"],
+        "split_hashes": lost["split_hashes"],
+        "no_rollback": lost["no_rollback"],
+        "rollbacks": lost["rollbacks"],
+        "slot_chains": not chains,
+        "slot_problems": chains[:10],
+        "commit_gaps": not gaps,
+        "long_gaps": gaps,
+        "processes_exit_0": all(c == 0 for c in exits.values()),
+        "exits": exits,
+        "no_namespace_or_process_left": not left,
+        "leftovers": left,
+        "outer_steps": lost["outer_steps"],
+    }
+
+
+def run_seed(seed: int, args, workdir: Path) -> dict:
+    text = draw(seed, args.events, args.nodes, args.heartbeat_timeout)
+    print(f"\n== seed {seed}: {text}", flush=True)
+    events = schedule.parse(text, args.nodes)
+    try:
+        job, _, left = run_job(f"seed{seed}", events, args.nodes, args, workdir)
+    except (TimeoutError, RuntimeError) as e:
+        print(f"seed {seed}: FAILED to run: {e}", flush=True)
+        return {"seed": seed, "schedule": text, "held": False, "error": str(e)}
+    checks = check(job, left, args.sync_timeout)
+    held = all(checks[c] for c in CHECKS)
+    for c in CHECKS:
+        print(f"  {'ok  ' if checks[c] else 'FAIL'} {c.replace('_', ' ')}")
+    if not held:
+        detail = {k: v for k, v in checks.items() if k not in CHECKS and v}
+        print(f"  details: {detail}")
+    return {"seed": seed, "schedule": text, "held": held, "checks": checks, "dir": str(job.dir)}
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
+    ap.add_argument("--runs", type=int, default=20, help="seeds to run, from --seed (default 20)")
+    ap.add_argument("--events", type=int, default=12, help="events per run (default 12)")
+    ap.add_argument("--quick", action="store_true", help="6 events a run (CI)")
+    ap.add_argument("--nodes", type=int, default=3, help="nodes at the start (default 3)")
+    ap.add_argument("--mbit", type=float, default=8.0, help="link rate, Mbit/s (default 8)")
+    ap.add_argument("--serve-mbit", type=float, default=4.0, help="each donor's cap (default 4)")
+    ap.add_argument("--inner-steps", type=int, default=10, help="H (default 10)")
+    ap.add_argument("--slots", type=int, default=16, help="data slots (default 16)")
+    ap.add_argument("--sync-timeout", type=float, default=30.0, help="diloco.sync_timeout_s")
+    ap.add_argument("--heartbeat-interval", type=float, default=0.5)
+    ap.add_argument("--heartbeat-timeout", type=float, default=4.0)
+    ap.add_argument("--coordinator-grace", type=float, default=60.0)
+    ap.add_argument("--timeout", type=float, default=900.0, help="bound on each run, seconds")
+    ap.add_argument("--keep", action="store_true", help="keep the working folders")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.events = 6
+    # what wan_chaos_job.Job reads: the run never ends by itself, the schedule's stop ends it
+    args.model, args.steps, args.eval_every = "debug", 100_000, 100_000
+    args.extra_args = ["--data.slots", str(args.slots),
+                       "--diloco.sync_timeout_s", str(args.sync_timeout)]  # fmt: skip
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from prime_netbed import bed_unavailable_reason
+
+    reason = bed_unavailable_reason()
+    if reason:
+        print(f"churn: not running: {reason}")
+        return 0
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks that clean up
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    workdir = Path(tempfile.mkdtemp(prefix="churn_"))
+    results = []
+    started = time.time()
+    try:
+        for seed in range(args.seed, args.seed + args.runs):
+            results.append(run_seed(seed, args, workdir))
+    finally:
+        held = [r["seed"] for r in results if r["held"]]
+        failed = [r["seed"] for r in results if not r["held"]]
+        print(f"\nchurn: {len(held)} of {len(results)} run(s) held in "
+              f"{time.time() - started:.0f} s ({args.events} events, {args.nodes} nodes, "
+              f"{args.mbit:g} Mbit/s)")  # fmt: skip
+        if failed:
+            print(f"failed seeds: {failed} (replay one: benchmarks/churn.py --seed N --runs 1); "
+                  f"working folders kept in {workdir}")  # fmt: skip
+        elif not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if results and len(held) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

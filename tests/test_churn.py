@@ -1,0 +1,79 @@
+"""benchmarks/churn.py: its seeded schedules and its checks (quick), and two short seeds run as
+a user runs them on the WAN bed (wan): every node ends with one weight hash per outer step,
+every slot's reads one chain from 0, no long stretch without a commit, every process exit 0."""
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prime_netbed import bed_unavailable_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import churn  # noqa: E402
+import wan_chaos_schedule as schedule  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_seed_draws_one_valid_schedule_of_its_events(seed):
+    text = churn.draw(seed, 12, 3, 4.0)
+    assert text == churn.draw(seed, 12, 3, 4.0)  # --seed replays it
+    events = schedule.parse(text, 3)  # restarts follow stops, the coordinator comes back
+    assert events[-1].kind == "stop" and 12 <= len(events) <= 14
+    assert {e.kind for e in events} <= {"kill", "term", "restart", "stall", "add", "stop",
+                                        "kill-coordinator", "restart-coordinator"}  # fmt: skip
+    for e in events:
+        if e.kind == "stall":
+            assert e.seconds > 4.0  # past the heartbeat timeout
+
+
+def test_the_draws_cover_every_kind_of_event():
+    kinds = {e.kind for s in range(20) for e in schedule.parse(churn.draw(s, 12, 3, 4.0), 3)}
+    assert kinds == {"kill", "term", "restart", "stall", "add", "stop", "kill-coordinator",
+                     "restart-coordinator"}  # fmt: skip
+
+
+def job_of(rows: list[dict]) -> SimpleNamespace:
+    return SimpleNamespace(outer_rows=lambda: sorted(rows, key=lambda r: r["time"]), t0=0.0)
+
+
+def row(node, k, t, data):
+    return {"node": node, "outer_step": k, "time": t, "nodes": 2, "data": data}
+
+
+def test_slot_chains_find_a_range_read_twice_and_a_gap():
+    good = [row(0, 1, 1.0, {"0": [0, 4]}), row(1, 1, 1.0, {"1": [0, 4]}),
+            row(1, 2, 2.0, {"0": [4, 6]}), row(0, 2, 2.0, {"1": [4, 8]})]  # fmt: skip
+    assert churn.slot_chains(job_of(good)) == []
+    twice = [*good, row(2, 3, 3.0, {"0": [4, 6]})]  # a late node read slot 0's 4..6 again
+    assert churn.slot_chains(job_of(twice)) == [
+        "slot 0: node2 read 4..6 at outer step 3, expected from 6"
+    ]
+    gap = [*good, row(0, 3, 3.0, {"1": [9, 10]})]
+    assert "expected from 8" in churn.slot_chains(job_of(gap))[0]
+    assert churn.slot_chains(job_of([row(0, 1, 1.0, {})])) == ["no row carries data slot reads"]
+
+
+def test_commit_gaps_find_a_stretch_without_a_commit():
+    rows = [row(0, 1, 1.0, {}), row(0, 2, 3.0, {}), row(0, 3, 40.0, {})]
+    assert churn.commit_gaps(job_of(rows), 30.0) == ["37.0 s without a commit before 40.0 s"]
+    assert churn.commit_gaps(job_of(rows), 40.0) == []
+
+
+@pytest.mark.wan
+@pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason()))
+@pytest.mark.timeout(900)
+def test_two_short_seeds_of_random_churn_hold():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "churn.py"), "--quick", "--runs", "2",
+         "--seed", "100", "--timeout", "360"],
+        capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-8000:]
+    assert "churn: 2 of 2 run(s) held" in out, out[-4000:]
+    for check in churn.CHECKS:
+        assert out.count(f"ok   {check.replace('_', ' ')}") == 2, (check, out[-4000:])
