@@ -29,6 +29,7 @@ import argparse
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,18 +47,29 @@ CHECKS = ("one_hash_per_outer_step", "no_rollback", "slot_chains", "commit_gaps"
           "processes_exit_0", "no_namespace_or_process_left")  # fmt: skip
 
 
+SETTLE_S = 30.0  # a node that arrived this long ago counts as a member holding the state
+
+
 def draw(seed: int, events: int, nodes: int, heartbeat_timeout: float) -> str:
     """A schedule of `events` events for a run of `nodes` nodes (at most one more running at
-    a time), the same for the same arguments."""
+    a time), the same for the same arguments. A member that has held the state for a while
+    (`SETTLE_S`) always stays up and awake: a run whose every member is gone has nobody to
+    hand its state to the nodes still joining."""
     rng = random.Random(seed)
-    up, down, spare, coordinator = set(range(nodes)), [], nodes, False
+    arrived = dict.fromkeys(range(nodes), -SETTLE_S)  # running node -> when it (re)started
+    down: list[int] = []
+    spare, coordinator, now, wait = nodes, False, 0.0, 0.0
     items: list[str] = []
-    wait = 0.0  # a stall's seconds: the next event comes after the node woke
 
     def when() -> str:
-        return f"+{wait + rng.uniform(3, 9):.1f}" if items else "o3"
+        nonlocal now
+        if not items:
+            return "o3"
+        gap = wait + rng.uniform(3, 9)
+        now += gap
+        return f"+{gap:.1f}"
 
-    def arrive() -> int:  # a stopped node run again, else a fresh one
+    def arrive() -> None:  # a stopped node run again, else a fresh one
         nonlocal spare
         if down:
             k = down.pop(rng.randrange(len(down)))
@@ -65,34 +77,49 @@ def draw(seed: int, events: int, nodes: int, heartbeat_timeout: float) -> str:
         else:
             k, spare = spare, spare + 1
             items.append(f"{when()}:add")
-        up.add(k)
-        return k
+        arrived[k] = now
+
+    def may_leave() -> list[int]:  # those whose leaving keeps a settled member up
+        settled = [k for k, t in arrived.items() if now - t >= SETTLE_S]
+        return sorted(k for k in arrived if set(settled) - {k})
+
+    def leave(k: int, how: str, gap: float) -> None:
+        nonlocal now
+        now += gap
+        items.append(f"+{gap:.1f}:{how}:{k}")
+        del arrived[k]
+        down.append(k)
 
     while len(items) + len(down) < events - 1:
-        kinds = ["kill", "term", "stall", "leave-while-listening"] if len(up) >= 2 else []
-        kinds += ["arrive"] * (len(up) <= nodes)
+        leavers = may_leave()
+        kinds = ["kill", "term", "stall", "leave-while-listening"] if leavers else []
+        kinds += ["arrive"] * (len(arrived) <= nodes)
         kinds += ["coordinator"] * (not coordinator and len(items) + len(down) < events - 3)
         kind, stalled = rng.choice(kinds), 0.0
         if kind in ("kill", "term"):
-            k = rng.choice(sorted(up))
-            up.discard(k)
-            down.append(k)
-            items.append(f"{when()}:{kind}:{k}")
+            gap = wait + rng.uniform(3, 9) if items else 0.0
+            if not items:
+                items.append(f"o3:{kind}:{rng.choice(leavers)}")
+                down.append(int(items[-1].rsplit(":", 1)[1]))
+                del arrived[down[-1]]
+            else:
+                leave(rng.choice(leavers), kind, gap)
         elif kind == "stall":  # past the heartbeat timeout: evicted, it rejoins by itself
             stalled = heartbeat_timeout + rng.uniform(1, 4)
-            items.append(f"{when()}:stall:{rng.choice(sorted(up))}:{stalled:.1f}")
+            k = rng.choice(leavers)
+            items.append(f"{when()}:stall:{k}:{stalled:.1f}")
+            arrived[k] = now + stalled  # it rejoins: a member again once settled
         elif kind == "arrive":
             arrive()
         elif kind == "leave-while-listening":  # a node comes; a member leaves while it listens
-            leaver = rng.choice(sorted(up))
             arrive()
-            up.discard(leaver)
-            down.append(leaver)
-            items.append(f"+{rng.uniform(3, 6):.1f}:{rng.choice(['kill', 'term'])}:{leaver}")
+            leave(rng.choice(leavers), rng.choice(["kill", "term"]), rng.uniform(3, 6))
         else:
             coordinator = True
             items.append(f"{when()}:kill-coordinator")
-            items.append(f"+{rng.uniform(2, 5):.1f}:restart-coordinator")
+            gap = rng.uniform(2, 5)
+            now += gap
+            items.append(f"+{gap:.1f}:restart-coordinator")
         wait = stalled
     while down:
         arrive()
@@ -157,7 +184,7 @@ def run_seed(seed: int, args, workdir: Path) -> dict:
     events = schedule.parse(text, args.nodes)
     try:
         job, _, left = run_job(f"seed{seed}", events, args.nodes, args, workdir)
-    except (TimeoutError, RuntimeError) as e:
+    except (TimeoutError, RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"seed {seed}: FAILED to run: {e}", flush=True)
         return {"seed": seed, "schedule": text, "held": False, "error": str(e)}
     checks = check(job, left, args.sync_timeout)
@@ -193,7 +220,7 @@ def parse_args(argv: list[str] | None):
     if args.quick:
         args.events = 6
     # what wan_chaos_job.Job reads: the run never ends by itself, the schedule's stop ends it
-    args.model, args.steps, args.eval_every = "debug", 100_000, 100_000
+    args.model, args.steps, args.eval_every, args.rerun = "debug", 100_000, 100_000, False
     args.extra_args = ["--data.slots", str(args.slots),
                        "--diloco.sync_timeout_s", str(args.sync_timeout)]  # fmt: skip
     return args
@@ -226,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.time() - started:.0f} s ({args.events} events, {args.nodes} nodes, "
               f"{args.mbit:g} Mbit/s)")  # fmt: skip
         if failed:
-            print(f"failed seeds: {failed} (replay one: benchmarks/churn.py --seed N --runs 1); "
-                  f"working folders kept in {workdir}")  # fmt: skip
-        elif not args.keep:
+            print(f"failed seeds: {failed} (replay one: benchmarks/churn.py --seed N --runs 1)")
+        if failed or len(results) < args.runs or args.keep:
+            print(f"working folders kept in {workdir}")
+        else:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0 if results and len(held) == len(results) else 1
 

@@ -158,7 +158,10 @@ class Job:
     def rerun_if_asked(self, progress) -> None:
         """A node that exited saying "rerun the same command" (a joiner whose fetch outlasted a
         round) is rerun, as its operator or a supervisor would, at most twice; the rerun is
-        marked in the timeline and counted in the result."""
+        marked in the timeline and counted in the result (not with `args.rerun = False`: a
+        node's exit is then checked as it is)."""
+        if not getattr(self.args, "rerun", True):
+            return
         for k, p in list(self.procs.items()):
             if p.poll() in (None, 0, -signal.SIGKILL) or not self.running():
                 continue
