@@ -8,7 +8,7 @@ import torch
 from prime_ckpt import CheckpointManager
 from prime_ckpt.manifest import is_leased, step_dirname
 from prime_ckpt.peer import fetch_from_peer, serve_directory
-from prime_ckpt.peer.transfer import JOURNAL
+from prime_ckpt.peer.journal import JOURNAL
 from prime_testkit import wait_until
 
 TOKEN = "run-secret"

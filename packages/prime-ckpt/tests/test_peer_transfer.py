@@ -23,7 +23,7 @@ from prime_ckpt.peer import (
     serve_directory,
 )
 from prime_ckpt.peer.fetch import partial_dirname
-from prime_ckpt.peer.transfer import JOURNAL
+from prime_ckpt.peer.journal import JOURNAL
 from prime_testkit import donor_processes, make_checkpoint, wait_until
 
 TOKEN = "run-secret"
