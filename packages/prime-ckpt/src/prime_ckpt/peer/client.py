@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import quote, urlsplit
 
 import msgpack
@@ -18,6 +19,7 @@ from prime_ckpt.peer.auth import H_NONCE, H_RESP_AUTH, check_response, sign_requ
 from prime_ckpt.peer.catalog import Offer, safe_relpath
 
 _READ = 1 << 20
+_RING = 3  # read buffers per connection: one being received, the others being hashed
 
 
 class _Window:
@@ -105,7 +107,7 @@ class Connection:
         self._token = token
         self._timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
-        self._buf = memoryview(bytearray(_READ))
+        self._bufs = [memoryview(bytearray(_READ)) for _ in range(_RING)]
         self._window = _Window() if pace is not None else None
 
     def close(self) -> None:
@@ -197,25 +199,42 @@ class Connection:
             raise PeerFailed(f"{self.url}: answered {resp.status} without the requested range")
         pending = [m for m in marks if start < m < end]
         pending.reverse()
-        pos = start
-        while pos < end:
-            want = min(_READ if self._window is None else self._window.read, end - pos)
-            if self._pace is not None:
-                self._pace(want)
+        # `sink` (SHA-256, which releases the GIL) runs on its own thread over a ring of
+        # buffers, so hashing one read overlaps receiving and writing the next
+        with ThreadPoolExecutor(1, thread_name_prefix="prime-ckpt-hash") as hashing:
+            running: list[Future | None] = [None] * _RING
+            pos, i = start, 0
             try:
-                n = resp.readinto(self._buf[:want])
-            except (OSError, http.client.HTTPException) as e:
-                self.close()
-                raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
-            if not n:
-                self.close()
-                raise PeerFailed(f"{self.url}: connection closed after {pos - start} bytes")
-            os.pwrite(fd, self._buf[:n], pos)  # a local error (disk full) is not the donor's fault
-            if sink is not None:
-                sink(self._buf[:n])
-            if self._window is not None and self._conn is not None:
-                self._window.count(self._conn.sock, n)
-            pos += n
-            while pending and pending[-1] <= pos and done is not None:
-                done(pending.pop())
+                while pos < end:
+                    if running[i] is not None:
+                        running[i].result()  # that buffer is free again
+                    n = self._read_into(resp, self._bufs[i], end - pos, pos - start)
+                    os.pwrite(fd, self._bufs[i][:n], pos)  # a local error: not the donor's fault
+                    if sink is not None:
+                        running[i] = hashing.submit(sink, self._bufs[i][:n])
+                    pos += n
+                    i = (i + 1) % _RING
+                    while pending and pending[-1] <= pos and done is not None:
+                        done(pending.pop())
+            finally:
+                for f in running:  # no buffer may be hashed after this call returns
+                    if f is not None:
+                        f.result()
         return end - start
+
+    def _read_into(self, resp, buf: memoryview, left: int, got: int) -> int:
+        """One read of at most `left` bytes of the response body into `buf`, paced."""
+        want = min(_READ if self._window is None else self._window.read, left)
+        if self._pace is not None:
+            self._pace(want)
+        try:
+            n = resp.readinto(buf[:want])
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
+        if not n:
+            self.close()
+            raise PeerFailed(f"{self.url}: connection closed after {got} bytes")
+        if self._window is not None and self._conn is not None:
+            self._window.count(self._conn.sock, n)
+        return n
