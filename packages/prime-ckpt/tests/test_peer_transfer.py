@@ -98,7 +98,8 @@ def test_a_paced_fetch_waits_while_its_pace_holds_and_grows_its_reads_with_the_r
     """`pace` (a joiner yielding its link to its all-reduce): called with each read's size
     before it; while it blocks, no byte is read; released, the transfer completes. Each
     connection starts with small reads (its window: nothing much in flight when it holds) and,
-    unpaced once released, grows them to 1 MiB (loopback: a 16 KiB window held it to 20 MB/s)."""
+    unpaced once released, grows them with the rate, up to 1 MiB (a fixed 16 KiB window held
+    a loopback transfer to 20 MB/s)."""
     files = random_files(2, 8 * MB + 7)
     make_checkpoint(tmp_path / "donor", 3, files)
     opened, sizes, lock = threading.Event(), [], threading.Lock()
@@ -119,7 +120,8 @@ def test_a_paced_fetch_waits_while_its_pace_holds_and_grows_its_reads_with_the_r
         opened.set()
         t.join(60)
     assert not t.is_alive() and got["r"].step == 3
-    assert max(sizes[:2]) == 16 << 10 and max(sizes) == MB, sizes[:4]
+    # grown past the first reads (how far depends on the rate: 1 MiB on an idle loopback)
+    assert max(sizes[:2]) == 16 << 10 < max(sizes) <= MB, sorted(set(sizes))
     assert sum(sizes) == sum(map(len, files.values()))
     assert_same_checkpoint(
         tmp_path / "donor" / step_dirname(3), tmp_path / "dest" / step_dirname(3)

@@ -187,7 +187,8 @@ def test_retention_per_tier_and_leases(tmp_path):
         assert [(c.step, c.tier) for c in mgr.list()] == [(3, "ram"), (3, "disk"), (2, "disk")]
         write_lease(d, 2, 60)  # a peer is downloading step 2
         mgr.save(4, {"x": torch.full((3,), 4.0)}).wait(60)
-        assert [c.step for c in mgr.list() if c.tier == "disk"] == [4, 3, 2]
+        # the leased step counts toward keep: the newest and it stay, nothing beyond keep
+        assert [c.step for c in mgr.list() if c.tier == "disk"] == [4, 2]
         write_lease(d, 2, -1)
         mgr.save(5, {"x": torch.full((3,), 5.0)}).wait(60)
         assert [c.step for c in mgr.list() if c.tier == "disk"] == [5, 4]

@@ -111,8 +111,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._text(404, f"no such route {self.path!r}")
             step, digest, name = int(m.group(1)), m.group(2), unquote(m.group(3))
             path, size = peer.catalog.resolve(step, digest, name)
-            peer.catalog.hold(step)  # renew the lease while the transfer goes on
-            self._send_file(peer, path, size)
+            with peer.catalog.serving(step):
+                peer.catalog.hold(step)  # renew the lease while the transfer goes on
+                self._send_file(peer, path, size)
         except PeerGone as e:
             self._text(410, str(e))
         except PeerRefused as e:
