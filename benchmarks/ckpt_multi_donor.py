@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from prime_ckpt import CheckpointManager, fetch_checkpoint, serve_directory
+from prime_ckpt.peer import ask_donors, resolve_token
 from prime_train.diloco.snapshot import LinkGate
 
 SHARED = [("model",), ("diloco", "outer")]
@@ -60,6 +61,8 @@ def main() -> None:
                 m.wait()
             servers.append(serve_directory(root / f"donor{k}", "127.0.0.1", token="bench",
                                            max_bytes_per_s=args.mb_per_s * 1e6))  # fmt: skip
+        # each donor verifies its checkpoint before offering it: not part of the transfer
+        ask_donors([s.url for s in servers], resolve_token("bench"), 120.0)
         pace = LinkGate(None).wait if args.paced else None
         t = time.monotonic()
         fetch_checkpoint([servers[0].url], root / "one", token="bench", chunk_bytes=1 << 20,

@@ -92,6 +92,9 @@ class CheckpointManager:
                 on_failure=lambda step, msg: self._errors.add(step, "remote", msg),
             )
             self._committer.on_commit = self._uploader.submit
+            on_disk = committed_steps(self.disk_dir)
+            if on_disk:  # an upload the last run did not finish: finished now, in the background
+                self._uploader.resume(on_disk[-1])
         self._inflight: SaveHandle | None = None
         self._failures: dict[int, str] = {}  # disk saves that failed, until one succeeds
         self._lock = threading.Lock()
@@ -375,10 +378,12 @@ class CheckpointManager:
             return
         self._closed = True
         if self._inflight is not None:
-            self._inflight.join()
+            self._inflight.join()  # the final checkpoint reaches disk (the writer's own waits
+            # are bounded: commit_timeout for the other ranks, the disk for the bytes)
         self._jobs.put(None)
         self._worker.join()
         if self._uploader is not None:
+            # remote_timeout bounds the upload on the way out; the next start finishes it
             self._uploader.close(remote_timeout)
         on_disk = [s for s, _ in disk_steps(self.disk_dir)]
         newest = max(on_disk, default=-1)
