@@ -170,10 +170,10 @@ def test_staging_buffers_reused_and_one_copy_in_flight(mgr):
     assert h2.done() and h3.done()
     mgr.wait(timeout=60)
     assert h4.done()
-    assert len(mgr._stager._buffers) == 2  # double-buffered, allocated once
+    assert len(mgr._stager._buffers) == 1  # one slot by default, allocated once
     assert {i: b.data_ptr() for i, (_, b) in mgr._stager._buffers.items()}.items() >= bufs.items()
     ram = [c.step for c in mgr.list() if c.tier == "ram"]
-    assert ram == [4, 3]
+    assert ram == [4]  # at most one checkpoint in RAM
     state["w"] = torch.randn(10)  # a new layout reallocates
     mgr.save(5, state).wait(60)
     assert mgr.load_latest({"w": torch.empty(10), "s": 1}) == 5
@@ -227,3 +227,24 @@ def test_stale_shm_of_dead_run_cleaned(tmp_path, monkeypatch):
     )
     removed = staging.clean_stale(tmp_path / "root")
     assert removed == [dead] and alive.exists()
+
+
+def test_ram_tier_holds_one_checkpoint_unless_told_two(tmp_path):
+    """The default RAM tier is one slot (one checkpoint's bytes in /dev/shm); keep ram=2 keeps
+    two."""
+    state = {"w": torch.randn(1 << 16)}
+    size = state["w"].numel() * 4
+
+    def shm_bytes() -> int:
+        return sum(f.stat().st_size for f in (tmp_path / "shm").rglob("*.bin"))
+
+    with CheckpointManager(tmp_path / "a", shm_dir=tmp_path / "shm", keep={"ram": 2}) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state).wait(60)
+        assert [c.step for c in mgr.list() if c.tier == "ram"] == [3, 2]
+        assert shm_bytes() == 2 * size
+    with CheckpointManager(tmp_path / "a", shm_dir=tmp_path / "shm") as mgr:
+        for s in (4, 5):
+            mgr.save(s, state).wait(60)
+            assert shm_bytes() == size
+        assert [c.step for c in mgr.list() if c.tier == "ram"] == [5]

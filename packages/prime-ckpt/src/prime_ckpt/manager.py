@@ -75,7 +75,7 @@ class CheckpointManager:
             clean_stale(self.shm_dir.parent)
         else:
             self.shm_dir = Path(shm_dir)
-        self._stager = Stager(self.shm_dir, self.disk_dir, self.rank)
+        self._stager = Stager(self.shm_dir, self.disk_dir, self.rank, self.keep["ram"])
         self._committer = DiskCommitter(
             self.disk_dir, self.rank, self.world, nonce, self.keep["disk"], commit_timeout
         )
@@ -193,8 +193,6 @@ class CheckpointManager:
         fault("ram_commit", step)
         extra = {"rank": self.rank, "tier": "ram"}
         self._stager.commit(slot, Manifest(step, entries, self.world, extra=extra, user=user))
-        if self.keep["ram"] == 1:
-            self._stager.invalidate(1 - slot)
         if err is not None:
             raise err
         self._committer.commit(step, entries, user)
