@@ -1,6 +1,7 @@
 """Peer-transfer throughput on loopback vs a raw socket copy of the same bytes, same run.
 
     uv run python benchmarks/ckpt_peer.py [--size-mb 256] [--files 4] [--connections 1 4 8]
+                                          [--cap-mb-s 100]
 
 Builds a checkpoint of random bytes, then copies it donor -> joiner three ways, each into a
 fresh folder and each ending with the files fsynced:
@@ -9,8 +10,13 @@ fresh folder and each ending with the files fsynced:
 - raw+sha: the same, then SHA-256 of every received file (what any verified copy must add).
 - peer N: `fetch_from_peer` with N connections (HMAC-signed Range requests, SHA-256 of every
   file, journal, atomic commit).
-Prints the best of `--repeat` runs per mode and its ratio to raw and raw+sha. Loopback has no
-bandwidth limit, so this measures the CPU cost of the transfer path, the thing peer transfer adds.
+- paced: what a joiner does (prime-train's snapshot): one connection per donor, 1 MiB chunks,
+  reads paced by a `LinkGate` with no cap (its adaptive receive window).
+- capped: the same with the gate capped at `--cap-mb-s` MB/s; prints the ratio to the cap.
+- donor cap: plain fetch from a donor serving with `max_bytes_per_s` = the cap.
+Prints the best of `--repeat` runs per mode, MB/s, and its ratio to raw and raw+sha (and to
+the cap for the capped modes). Loopback has no bandwidth limit, so the uncapped modes measure
+the CPU cost of the transfer path, the thing peer transfer adds.
 
 With `--wan-mbit R` (root; the WAN bed of tests/support/prime_netbed.py) it also runs donor
 and joiner in two network namespaces joined by `tc tbf` links of R Mbit/s, as separate
@@ -33,7 +39,8 @@ import time
 from pathlib import Path
 
 from prime_ckpt.manifest import FileEntry, Manifest, sha256_file, step_dirname
-from prime_ckpt.peer import fetch_from_peer, serve_directory
+from prime_ckpt.peer import fetch_checkpoint, fetch_from_peer, serve_directory
+from prime_train.diloco.snapshot import CHUNK_BYTES, LinkGate
 
 TOKEN = "benchmark-token"
 
@@ -158,6 +165,63 @@ def wan_runs(donor_dir: Path, scratch: Path, size: int, args) -> dict[int, float
     return best
 
 
+def loopback_runs(donor_dir: Path, paths: list[Path], scratch: Path, size: int, args) -> dict:
+    """Best seconds per mode, the modes interleaved run after run (the machine is noisy)."""
+    cap = args.cap_mb_s * 1e6
+    results: dict[str, float] = {}
+    with (
+        serve_directory(donor_dir, "127.0.0.1", token=TOKEN) as server,
+        serve_directory(donor_dir, "127.0.0.1", token=TOKEN, max_bytes_per_s=cap) as capped,
+    ):
+        t0 = time.perf_counter()
+        fetch_from_peer(server.url, scratch / "warm", token=TOKEN)  # donor hashes once
+        fetch_from_peer(capped.url, scratch / "warm2", token=TOKEN, chunk_bytes=size)
+        print(f"donors' first verification + warm-up fetch: {time.perf_counter() - t0:.2f}s")
+        shutil.rmtree(scratch / "warm")
+        shutil.rmtree(scratch / "warm2")
+
+        def paced(rate: float | None) -> None:
+            fetch_checkpoint([server.url], dest, token=TOKEN, connections=1,
+                             chunk_bytes=CHUNK_BYTES, pace=LinkGate(rate).wait)  # fmt: skip
+
+        modes = {
+            "raw": lambda: raw_copy(paths, dest),
+            "raw+sha": lambda: raw_copy(paths, dest, True),
+        }
+        for c in args.connections:
+            modes[f"peer x{c}"] = lambda c=c: fetch_from_peer(server.url, dest, token=TOKEN,
+                                                              connections=c)  # fmt: skip
+        modes["paced"] = lambda: paced(None)
+        modes["capped"] = lambda: paced(cap)
+        modes["donor cap"] = lambda: fetch_from_peer(capped.url, dest, token=TOKEN)
+        for r in range(args.repeat):
+            for name, run in modes.items():
+                dest = scratch / f"dest-{name.replace(' ', '')}-{r}"
+                t0 = time.perf_counter()
+                ret = run()
+                dt = ret if isinstance(ret, float) else time.perf_counter() - t0
+                shutil.rmtree(dest)
+                results[name] = min(results.get(name, float("inf")), dt)
+                print(f"  run {r + 1}/{args.repeat} {name:>9}: {dt:6.2f}s "
+                      f"{size / dt / 1e6:8.1f} MB/s", flush=True)  # fmt: skip
+    return results
+
+
+def report(results: dict[str, float], size: int, args) -> None:
+    raw, raw_sha, cap = results["raw"], results["raw+sha"], args.cap_mb_s * 1e6
+    print(
+        f"\nloopback, {size / 1e6:.0f} MB in {args.files} files, best of {args.repeat}, "
+        f"{os.cpu_count()} CPUs, cap {args.cap_mb_s:g} MB/s for the capped modes"
+    )
+    print(f"{'mode':>9} {'seconds':>8} {'MB/s':>8} {'vs raw':>7} {'vs raw+sha':>10} {'of cap':>7}")
+    for name, dt in results.items():
+        of_cap = f"{size / dt / cap:7.2f}" if "cap" in name else ""
+        print(
+            f"{name:>9} {dt:8.2f} {size / dt / 1e6:8.1f} {raw / dt:7.2f} {raw_sha / dt:10.2f} "
+            f"{of_cap}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -166,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=4, help="number of files (default 4)")
     ap.add_argument("--connections", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--repeat", type=int, default=3, help="runs per mode; the best is kept")
+    ap.add_argument("--cap-mb-s", type=float, default=100.0, help="the capped modes' cap")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument(
         "--wan-mbit",
@@ -183,40 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         donor_dir, paths = build_checkpoint(scratch, args.size_mb, args.files)
         size = sum(p.stat().st_size for p in paths)
-        results: dict[str, float] = {}
-        with serve_directory(donor_dir, "127.0.0.1", token=TOKEN) as server:
-            t0 = time.perf_counter()
-            fetch_from_peer(server.url, scratch / "warm", token=TOKEN)  # donor hashes once
-            print(f"donor's first verification + warm-up fetch: {time.perf_counter() - t0:.2f}s")
-            shutil.rmtree(scratch / "warm")
-            for r in range(args.repeat):
-                modes = [("raw", None), ("raw+sha", 0)]
-                modes += [(f"peer x{c}", c) for c in args.connections]
-                for name, conns in modes:
-                    dest = scratch / f"dest-{name.replace(' ', '')}-{r}"
-                    if not conns:
-                        dt = raw_copy(paths, dest, verify=conns == 0)
-                    else:
-                        t0 = time.perf_counter()
-                        fetch_from_peer(server.url, dest, token=TOKEN, connections=conns)
-                        dt = time.perf_counter() - t0
-                    shutil.rmtree(dest)
-                    results[name] = min(results.get(name, float("inf")), dt)
-                    print(
-                        f"  run {r + 1}/{args.repeat} {name:>9}: {dt:6.2f}s "
-                        f"{size / dt / 1e6:8.1f} MB/s",
-                        flush=True,
-                    )
-        raw, raw_sha = results["raw"], results["raw+sha"]
-        print(
-            f"\nloopback, {size / 1e6:.0f} MB in {args.files} files, best of {args.repeat}, "
-            f"{os.cpu_count()} CPUs"
-        )
-        print(f"{'mode':>9} {'seconds':>8} {'MB/s':>8} {'vs raw':>7} {'vs raw+sha':>10}")
-        for name, dt in results.items():
-            print(
-                f"{name:>9} {dt:8.2f} {size / dt / 1e6:8.1f} {raw / dt:7.2f} {raw_sha / dt:10.2f}"
-            )
+        report(loopback_runs(donor_dir, paths, scratch, size, args), size, args)
         if args.wan_mbit:
             print(
                 f"\nWAN bed: donor and joiner in two namespaces, tbf {args.wan_mbit:g} Mbit/s "

@@ -100,8 +100,11 @@ def test_background_failures_are_said_once_counted_and_handed_to_on_error(
     lines = [r for r in caplog.records if r.name == "prime_ckpt" and r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in lines] == [f"prime-ckpt: {f.message}" for f, _ in told]
     assert {r.levelno for r in lines} == {logging.ERROR}
+    # an upload's failure is told (its one ERROR line) at its first failed try; the other
+    # tries and the final give-up are INFO
+    said = {f"prime-ckpt: {f.message}" for f, _ in told}
     retries = [r for r in caplog.records if "retrying" in r.getMessage()]
-    assert retries and {r.levelno for r in retries} == {logging.INFO}
+    assert retries and {r.levelno for r in retries if r.getMessage() not in said} == {logging.INFO}
 
 
 def test_unwritable_disk_dir_is_a_clear_error(tmp_path):
@@ -119,7 +122,8 @@ def test_full_shm_fails_save_cleanly(small_disk, tmp_path):
         mgr.save(1, vec(100, 1.0)).wait(60)
         with pytest.raises(CheckpointError, match="staging step 2 .* failed: .*No space left"):
             mgr.save(2, vec(2000, 2.0))  # 2 MB into a 1 MiB /dev/shm
-        assert [(c.step, c.tier) for c in mgr.list()] == [(1, "ram"), (1, "disk")]
+        # the one RAM slot was given to step 2 (step 1 was durable on disk first)
+        assert [(c.step, c.tier) for c in mgr.list()] == [(1, "disk")]
         mgr.save(3, vec(100, 3.0)).wait(60)  # the run goes on
         target = vec(100, 0.0)
         assert mgr.load_latest(target) == 3 and target["step_value"] == 3.0

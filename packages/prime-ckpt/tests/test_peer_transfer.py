@@ -4,6 +4,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from prime_ckpt.peer import (
     serve_directory,
 )
 from prime_ckpt.peer.fetch import partial_dirname
-from prime_ckpt.peer.transfer import JOURNAL
+from prime_ckpt.peer.journal import JOURNAL
 from prime_testkit import donor_processes, make_checkpoint, wait_until
 
 TOKEN = "run-secret"
@@ -93,10 +94,13 @@ def test_round_trip_parallel_connections(tmp_path):
     )
 
 
-def test_a_paced_fetch_reads_in_small_pieces_and_waits_while_its_pace_holds(tmp_path):
+def test_a_paced_fetch_waits_while_its_pace_holds_and_grows_its_reads_with_the_rate(tmp_path):
     """`pace` (a joiner yielding its link to its all-reduce): called with each read's size
-    before it; while it blocks, no byte is read; released, the transfer completes."""
-    files = random_files(2, 1 * MB + 7)
+    before it; while it blocks, no byte is read; released, the transfer completes. Each
+    connection starts with small reads (its window: nothing much in flight when it holds) and,
+    unpaced once released, grows them with the rate, up to 1 MiB (a fixed 16 KiB window held
+    a loopback transfer to 20 MB/s)."""
+    files = random_files(2, 8 * MB + 7)
     make_checkpoint(tmp_path / "donor", 3, files)
     opened, sizes, lock = threading.Event(), [], threading.Lock()
 
@@ -116,7 +120,34 @@ def test_a_paced_fetch_reads_in_small_pieces_and_waits_while_its_pace_holds(tmp_
         opened.set()
         t.join(60)
     assert not t.is_alive() and got["r"].step == 3
-    assert max(sizes) <= 16 << 10 and sum(sizes) == sum(map(len, files.values())), sizes[:4]
+    # grown past the first reads (how far depends on the rate: 1 MiB on an idle loopback)
+    assert max(sizes[:2]) == 16 << 10 < max(sizes) <= MB, sorted(set(sizes))
+    assert sum(sizes) == sum(map(len, files.values()))
+    assert_same_checkpoint(
+        tmp_path / "donor" / step_dirname(3), tmp_path / "dest" / step_dirname(3)
+    )
+
+
+def test_a_paced_fetch_under_a_slow_pace_keeps_its_reads_and_window_small(tmp_path):
+    """A pace of 1 MB/s (a capped joiner, or a slow link): the window stays at its smallest
+    (64 KiB: a tenth of a second at that rate, rounded up), so its reads stay at 16 KiB and a
+    hold stops the donor within that much."""
+    files = random_files(1, 2 * MB)
+    make_checkpoint(tmp_path / "donor", 3, files)
+    sizes, lock, state = [], threading.Lock(), {"next": 0.0}
+
+    def pace(n: int) -> None:  # a token bucket of 1 MB/s, like prime-train's LinkGate
+        with lock:
+            sizes.append(n)
+            now = time.monotonic()
+            start = max(now, state["next"])
+            state["next"] = start + n / 1e6
+        time.sleep(max(0.0, start - now))
+
+    with serve_directory(tmp_path / "donor", "127.0.0.1", token=TOKEN) as server:
+        got = fetch_checkpoint([server.url], tmp_path / "dest", token=TOKEN, connections=1,
+                               chunk_bytes=CHUNK, pace=pace)  # fmt: skip
+    assert got.step == 3 and max(sizes) == 16 << 10, sorted(set(sizes))
     assert_same_checkpoint(
         tmp_path / "donor" / step_dirname(3), tmp_path / "dest" / step_dirname(3)
     )

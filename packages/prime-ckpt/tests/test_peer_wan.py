@@ -17,7 +17,7 @@ from prime_ckpt.manifest import (
     verify_dir,
 )
 from prime_ckpt.peer.fetch import partial_dirname
-from prime_ckpt.peer.transfer import JOURNAL
+from prime_ckpt.peer.journal import JOURNAL
 from prime_testkit import make_checkpoint, wait_until
 
 pytestmark = [

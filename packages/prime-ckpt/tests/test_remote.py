@@ -11,7 +11,7 @@ import torch
 
 from prime_ckpt import CheckpointManager, CheckpointWarning, committed_steps
 from prime_ckpt.remote import RemoteStore
-from prime_testkit import CREDENTIALS, MotoS3
+from prime_testkit import CREDENTIALS, MotoS3, wait_until
 
 
 @pytest.fixture
@@ -219,7 +219,7 @@ def test_discard_after_removes_newer_steps_from_every_tier(tmp_path):
         for s in (1, 2, 3):
             mgr.save(s, st(s)).wait(60)
             assert mgr.wait_remote(120)
-        assert mgr.committed_steps(["ram"]) == [2, 3] and mgr.committed_steps() == [1, 2, 3]
+        assert mgr.committed_steps(["ram"]) == [3] and mgr.committed_steps() == [1, 2, 3]
         assert mgr.discard_after(1) == [2, 3]
         assert mgr.committed_steps() == [1] and mgr.committed_steps(["remote"]) == [1]
         mgr.save(2, st(20)).wait(60)  # the run makes step 2 again: kept, not pruned
@@ -229,3 +229,36 @@ def test_discard_after_removes_newer_steps_from_every_tier(tmp_path):
         out = empty()
         assert mgr.load_latest(out) == 2 and out["w"][0, 0] == 20.0
         assert mgr.discard_after(2) == []
+
+
+def test_a_failing_remote_is_counted_at_once_close_is_bounded_and_the_next_start_uploads(
+    tmp_path, children
+):
+    """Moto's S3 on loopback, the run's bucket not there yet (an unwritable remote): the
+    failure is counted at the first try, while the retries go on (a short run used to end with
+    0 errors); close(remote_timeout=1) returns with the checkpoint on disk; once the bucket
+    exists, the next start uploads that step by itself."""
+    server = MotoS3(children)
+    options = {
+        "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "endpoint_url": server.endpoint,
+        "client_kwargs": {"region_name": CREDENTIALS["AWS_DEFAULT_REGION"]},
+    }
+    bucket = f"later{uuid.uuid4().hex[:8]}"
+    url = f"s3://{bucket}/run"
+    kw = dict(remote=url, remote_options=options, remote_retries=8, remote_backoff=1.0)
+    mgr = CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm", **kw)
+    mgr.save(1, st(1)).wait(60)
+    wait_until(lambda: mgr.errors >= 1, 60, what="the first failed upload counted")
+    assert not mgr.wait_remote(0.1)  # still retrying (1 + 2 + 4 ... s of backoff)
+    closer = threading.Thread(target=mgr.close, kwargs={"remote_timeout": 1.0}, daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "close() waited for the retries"
+    assert committed_steps(tmp_path / "disk") == [1]
+    server._client().create_bucket(Bucket=bucket)
+    with CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm2", **kw) as again:
+        assert again.wait_remote(120)
+        assert RemoteStore(url, options).steps() == [1]
+        assert again.errors == 0

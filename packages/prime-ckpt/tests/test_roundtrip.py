@@ -170,10 +170,10 @@ def test_staging_buffers_reused_and_one_copy_in_flight(mgr):
     assert h2.done() and h3.done()
     mgr.wait(timeout=60)
     assert h4.done()
-    assert len(mgr._stager._buffers) == 2  # double-buffered, allocated once
+    assert len(mgr._stager._buffers) == 1  # one slot by default, allocated once
     assert {i: b.data_ptr() for i, (_, b) in mgr._stager._buffers.items()}.items() >= bufs.items()
     ram = [c.step for c in mgr.list() if c.tier == "ram"]
-    assert ram == [4, 3]
+    assert ram == [4]  # at most one checkpoint in RAM
     state["w"] = torch.randn(10)  # a new layout reallocates
     mgr.save(5, state).wait(60)
     assert mgr.load_latest({"w": torch.empty(10), "s": 1}) == 5
@@ -187,7 +187,8 @@ def test_retention_per_tier_and_leases(tmp_path):
         assert [(c.step, c.tier) for c in mgr.list()] == [(3, "ram"), (3, "disk"), (2, "disk")]
         write_lease(d, 2, 60)  # a peer is downloading step 2
         mgr.save(4, {"x": torch.full((3,), 4.0)}).wait(60)
-        assert [c.step for c in mgr.list() if c.tier == "disk"] == [4, 3, 2]
+        # the leased step counts toward keep: the newest and it stay, nothing beyond keep
+        assert [c.step for c in mgr.list() if c.tier == "disk"] == [4, 2]
         write_lease(d, 2, -1)
         mgr.save(5, {"x": torch.full((3,), 5.0)}).wait(60)
         assert [c.step for c in mgr.list() if c.tier == "disk"] == [5, 4]
@@ -226,3 +227,24 @@ def test_stale_shm_of_dead_run_cleaned(tmp_path, monkeypatch):
     )
     removed = staging.clean_stale(tmp_path / "root")
     assert removed == [dead] and alive.exists()
+
+
+def test_ram_tier_holds_one_checkpoint_unless_told_two(tmp_path):
+    """The default RAM tier is one slot (one checkpoint's bytes in /dev/shm); keep ram=2 keeps
+    two."""
+    state = {"w": torch.randn(1 << 16)}
+    size = state["w"].numel() * 4
+
+    def shm_bytes() -> int:
+        return sum(f.stat().st_size for f in (tmp_path / "shm").rglob("*.bin"))
+
+    with CheckpointManager(tmp_path / "a", shm_dir=tmp_path / "shm", keep={"ram": 2}) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state).wait(60)
+        assert [c.step for c in mgr.list() if c.tier == "ram"] == [3, 2]
+        assert shm_bytes() == 2 * size
+    with CheckpointManager(tmp_path / "a", shm_dir=tmp_path / "shm") as mgr:
+        for s in (4, 5):
+            mgr.save(s, state).wait(60)
+            assert shm_bytes() == size
+        assert [c.step for c in mgr.list() if c.tier == "ram"] == [5]

@@ -258,3 +258,33 @@ def read_io() -> dict | None:
             return {k: int(v) for k, v in (line.split(": ") for line in f)}
     except OSError:
         return None
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    raise KeyError(field)
+
+
+def case_peak_memory(ctx, n, compression="uint8", seed=0):
+    """One all_reduce of `n` floats: how far this rank's peak RSS (VmHWM, reset through
+    /proc/self/clear_refs just before) rose above its RSS at the call's start, and the
+    result's digest and error against the group's own float32 sum."""
+    pg, world = ctx.pg, ctx.world
+    _single_thread()
+    x = make_input("normal", n, seed, ctx.rank)
+    exact = x.clone()
+    pg.allreduce([exact]).wait()
+    exact /= world
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS now
+    before = _vm("VmRSS")
+    prime_comm.all_reduce(x, group=pg, compression=compression, timeout=120.0)
+    rise = _vm("VmHWM") - before
+    return {
+        "digest": hashlib.sha256(x.numpy().tobytes()).hexdigest(),
+        "rel_err": ((x - exact).norm() / exact.norm()).item(),
+        "peak_rise": rise,
+    }

@@ -70,14 +70,15 @@ def test_failed_saves_and_uploads_are_one_line_each_and_counted(
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert f"done: {STEPS}/{STEPS} steps" in r.stdout
-    assert "Traceback" not in out and "retrying" not in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if "error:" in line]
     for step in DISK_FAILS:  # one line per failed save, in the node's own log format
         said = [e for e in errors if f"checkpoint step {step} was not saved to disk" in e]
         assert len(said) == 1, errors
         assert said[0].startswith("[node 0 rank 0] error: ") and "No space left" in said[0]
     uploads = [e for e in errors if "upload of step 10 to file://" in e]
-    assert len(uploads) == 1 and "older remote copies are kept" in uploads[0], errors
+    # said and counted at its first failure (the run may end before the retries do)
+    assert len(uploads) == 1 and "older remote copies are kept; retrying" in uploads[0], errors
     assert len(errors) == len(DISK_FAILS) + 1, errors
 
     rows = [json.loads(line) for line in (tmp_path / "runs/debug/metrics.jsonl").open()]

@@ -75,7 +75,7 @@ class CheckpointManager:
             clean_stale(self.shm_dir.parent)
         else:
             self.shm_dir = Path(shm_dir)
-        self._stager = Stager(self.shm_dir, self.disk_dir, self.rank)
+        self._stager = Stager(self.shm_dir, self.disk_dir, self.rank, self.keep["ram"])
         self._committer = DiskCommitter(
             self.disk_dir, self.rank, self.world, nonce, self.keep["disk"], commit_timeout
         )
@@ -92,6 +92,9 @@ class CheckpointManager:
                 on_failure=lambda step, msg: self._errors.add(step, "remote", msg),
             )
             self._committer.on_commit = self._uploader.submit
+            on_disk = committed_steps(self.disk_dir)
+            if on_disk:  # an upload the last run did not finish: finished now, in the background
+                self._uploader.resume(on_disk[-1])
         self._inflight: SaveHandle | None = None
         self._failures: dict[int, str] = {}  # disk saves that failed, until one succeeds
         self._lock = threading.Lock()
@@ -190,8 +193,6 @@ class CheckpointManager:
         fault("ram_commit", step)
         extra = {"rank": self.rank, "tier": "ram"}
         self._stager.commit(slot, Manifest(step, entries, self.world, extra=extra, user=user))
-        if self.keep["ram"] == 1:
-            self._stager.invalidate(1 - slot)
         if err is not None:
             raise err
         self._committer.commit(step, entries, user)
@@ -375,10 +376,12 @@ class CheckpointManager:
             return
         self._closed = True
         if self._inflight is not None:
-            self._inflight.join()
+            self._inflight.join()  # the final checkpoint reaches disk (the writer's own waits
+            # are bounded: commit_timeout for the other ranks, the disk for the bytes)
         self._jobs.put(None)
         self._worker.join()
         if self._uploader is not None:
+            # remote_timeout bounds the upload on the way out; the next start finishes it
             self._uploader.close(remote_timeout)
         on_disk = [s for s, _ in disk_steps(self.disk_dir)]
         newest = max(on_disk, default=-1)

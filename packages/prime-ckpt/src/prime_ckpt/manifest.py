@@ -172,6 +172,11 @@ def write_lease(root: str | Path, step: int, seconds: float) -> None:
     tmp.replace(p)
 
 
+def release_lease(root: str | Path, step: int) -> None:
+    """Drop the lease on `step` (the pruner may take it again); nothing if there is none."""
+    lease_path(root, step).unlink(missing_ok=True)
+
+
 def is_leased(root: str | Path, step: int) -> bool:
     """True while an unexpired lease holds `step` under `root`."""
     try:

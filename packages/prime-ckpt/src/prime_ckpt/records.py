@@ -13,7 +13,8 @@ from prime_ckpt.manifest import Manifest, verify_dir
 from prime_ckpt.reader import CheckpointSource
 
 TIERS = ("ram", "disk", "remote")
-DEFAULT_KEEP: dict[str, int | None] = {"ram": 2, "disk": 3, "remote": None}
+# RAM: one checkpoint (20 B/param of a DiLoCo node); 2 keeps a second staging slot
+DEFAULT_KEEP: dict[str, int | None] = {"ram": 1, "disk": 3, "remote": None}
 
 
 class SaveHandle:
@@ -79,7 +80,10 @@ def parse_keep(keep: int | Mapping[str, int | None] | None) -> dict[str, int | N
     elif keep is not None:
         raise TypeError(f"keep must be an int or a dict of tier -> count, got {keep!r}")
     if out["ram"] not in (1, 2):
-        raise ValueError(f"keep['ram'] must be 1 or 2 (two staging buffers), got {out['ram']}")
+        raise ValueError(
+            f"keep['ram'] must be 1 or 2 (staging buffers in RAM), got {out['ram']}; to hold "
+            "the RAM tier on disk instead, pass shm_dir= a folder on a disk"
+        )
     if out.get("remote") is not None and out["remote"] < 1:
         raise ValueError(
             f"keep['remote'] must be None (keep all) or at least 1, got {out['remote']}"

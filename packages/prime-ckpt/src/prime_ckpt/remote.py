@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import zstandard
@@ -30,6 +30,7 @@ from prime_ckpt.manifest import (
 )
 from prime_ckpt.records import CheckpointInfo
 
+T = TypeVar("T")
 log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
 
@@ -190,10 +191,19 @@ class Uploader:
         self.on_failure = on_failure or (lambda step, msg: log.error("prime-ckpt: %s", msg))
         self._pending: int | None = None
         self._busy: int | None = None
+        self._told: set[int] = set()  # steps whose upload failure was reported (once each)
+        self._if_missing: set[int] = set()  # steps to upload only if the remote lacks them
         self._stop = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="prime-ckpt-upload", daemon=True)
         self._thread.start()
+
+    def resume(self, step: int) -> None:
+        """Upload `step` (the newest on disk at a start) unless the remote already has it: a
+        run that stopped before its upload ended finishes it at the next start."""
+        with self._cond:
+            self._if_missing.add(step)
+        self.submit(step)
 
     def submit(self, step: int) -> None:
         with self._cond:
@@ -227,14 +237,21 @@ class Uploader:
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
-    def discard_after(self, step: int) -> list[int]:
-        """Once idle, delete the committed remote steps newer than `step`; returns them (a
-        step that cannot be deleted, or a remote that cannot be listed, is logged and stays:
-        a later upload replaces such a step)."""
-        self.wait()
-        removed = []
+    def discard_after(self, step: int, timeout: float = 60.0) -> list[int]:
+        """Once idle (at most `timeout` s), delete the committed remote steps newer than
+        `step`; returns them. A step that cannot be deleted, a remote that cannot be listed
+        within `timeout`, or an uploader still busy is logged and left: a later upload
+        replaces such a step."""
+        if not self.wait(timeout):
+            log.warning(
+                "prime-ckpt: %s still uploading after %.0f s; newer remote steps are left",
+                self.store.url,
+                timeout,
+            )
+            return []
+        removed: list[int] = []
         try:
-            steps = self.store.steps()
+            steps = bounded(self.store.steps, timeout, f"listing {self.store.url}")
         except Exception as e:  # an unreachable remote must not stop a local start
             log.warning("prime-ckpt: cannot list %s to remove newer steps: %s", self.store.url, e)
             return removed
@@ -250,6 +267,7 @@ class Uploader:
         return removed
 
     def _retry(self, fn: Callable[[], None], what: str) -> None:
+        step = self._busy
         for attempt in range(self.retries + 1):
             try:
                 fn()
@@ -258,9 +276,31 @@ class Uploader:
                 if attempt == self.retries:
                     raise
                 delay = min(self.backoff * 2**attempt, 30.0)
-                # INFO: not a failure yet; a failed upload is said once, after the last retry
-                log.info("prime-ckpt: upload of %s failed (%s); retrying in %.1fs", what, e, delay)
+                retrying = f"retrying in {delay:.1f}s ({self.retries - attempt} more tries)"
+                if step is not None and step not in self._told:
+                    # said (and counted) at the first failure, not after the last retry: a
+                    # run that ends before the retries do still shows it
+                    self._told.add(step)
+                    self.on_failure(
+                        step,
+                        f"upload of step {step} to {self.store.url} failed: {e}; older remote "
+                        f"copies are kept; {retrying}",
+                    )
+                else:
+                    log.info("prime-ckpt: upload of %s failed (%s); %s", what, e, retrying)
                 time.sleep(delay)
+
+    def _upload(self, step: int) -> None:
+        if step in self._if_missing:
+            self._if_missing.discard(step)
+            have: list[int] = []
+            self._retry(lambda: have.extend(self.store.steps()), f"the listing of step {step}")
+            if step in have:
+                return
+            log.info("prime-ckpt: finishing the upload of step %d to %s", step, self.store.url)
+        self.store.upload(self.disk_dir / step_dirname(step), self._retry)
+        self.failed.pop(step, None)
+        self._tidy(step)
 
     def _run(self) -> None:
         while True:
@@ -271,13 +311,15 @@ class Uploader:
                     return
                 step, self._pending, self._busy = self._pending, None, self._pending
             try:
-                self.store.upload(self.disk_dir / step_dirname(step), self._retry)
-                self.failed.pop(step, None)
-                self._tidy(step)
+                self._upload(step)
             except Exception as e:
                 msg = f"upload of step {step} to {self.store.url} failed: {e}; older remote copies are kept"
                 self.failed[step] = msg
-                self.on_failure(step, msg)
+                if step in self._told:  # said (ERROR) and counted at its first failure already
+                    log.info("prime-ckpt: gave up: %s", msg)
+                else:
+                    self._told.add(step)
+                    self.on_failure(step, msg)
             finally:
                 with self._cond:
                     self._busy = None
@@ -296,6 +338,28 @@ class Uploader:
                     self.store.delete(s)
         except Exception as e:  # tidying is best effort; the upload itself succeeded
             log.warning("prime-ckpt: could not tidy %s: %s", self.store.url, e)
+
+
+def bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """`fn()` on a helper thread, given at most `timeout` s (a remote that hangs must not
+    hang a start or a stop); TimeoutError naming `what` after that (the thread is left)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:
+            box.append((False, e))
+
+    t = threading.Thread(target=run, name="prime-ckpt-bounded", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box:
+        raise TimeoutError(f"{what} took more than {timeout:.0f} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def remote_listing(

@@ -1,9 +1,12 @@
-"""The RAM tier: two staging slots in shared memory, allocated once and reused.
+"""The RAM tier: one staging slot (two with keep["ram"] = 2) in shared memory, allocated
+once and reused.
 
 Each slot is a folder under `shm_dir` holding one rank's shard in the same files as on disk
 (`rank-N.bin`, `rank-N.meta`) and, once the background copy has hashed it, a manifest. A slot
-is invalidated (manifest removed) before it is overwritten, so a crash mid-copy leaves the
-other slot, the previous checkpoint, loadable by the next process on the same machine.
+is invalidated (manifest removed) before it is overwritten. With one slot (the default: at
+most one checkpoint, 20 bytes per parameter of a DiLoCo node, in RAM) that is safe because
+`save()` waits until the previous checkpoint is durable on disk before staging the next; with
+two, a crash mid-copy also leaves the other slot loadable by the next process on the machine.
 """
 
 from __future__ import annotations
@@ -62,12 +65,14 @@ def clean_stale(root: Path) -> list[Path]:
 
 
 class Stager:
-    """Copies a rank's tensors into one of two shared-memory slots."""
+    """Copies a rank's tensors into one of `slots` (1 or 2) shared-memory slots."""
 
-    def __init__(self, shm_dir: Path, disk_dir: Path, rank: int) -> None:
+    def __init__(self, shm_dir: Path, disk_dir: Path, rank: int, slots: int = 1) -> None:
         self.dir = shm_dir
         self.rank = rank
-        self.slots = [shm_dir / "slot-0", shm_dir / "slot-1"]
+        self.slots = [shm_dir / f"slot-{i}" for i in range(slots)]
+        if slots == 1:  # a second slot left by a run that kept two: its memory is freed
+            shutil.rmtree(shm_dir / "slot-1", ignore_errors=True)
         for s in self.slots:
             s.mkdir(parents=True, exist_ok=True)
         owner = msgpack.packb({"pid": os.getpid(), "disk_dir": str(disk_dir.resolve())})
@@ -89,7 +94,7 @@ class Stager:
 
     def _pick(self) -> int:
         held = self.committed()
-        if not held:
+        if not held or len(self.slots) == 1:
             return 0
         return 1 - held[0][1]  # never overwrite the newest good copy
 

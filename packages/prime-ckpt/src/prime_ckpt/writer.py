@@ -231,14 +231,20 @@ class DiskCommitter:
             self._trash(self.dir / step_dirname(step))
 
     def prune(self, step: int = -1) -> list[int]:
-        """Keep the newest `keep` committed steps; leased steps are never removed."""
+        """Keep `keep` committed steps: the newest, the leased and pinned ones (a peer's
+        transfer, an upload), then the newest of the others; so a lease adds no checkpoint
+        beyond `keep` unless leases and pins alone are more than that."""
         if self.rank != 0 or self.keep <= 0:
             return []
         steps = committed_steps(self.dir)
         removed = []
-        for s in steps[: max(0, len(steps) - self.keep)]:
+        excess = len(steps) - self.keep
+        for s in steps[:-1]:
+            if excess <= 0:
+                break
             if is_leased(self.dir, s) or s in self.pins:
                 continue
+            excess -= 1
             dest = self.dir / f"{TRASH_PREFIX}{step_dirname(s)}-{time.monotonic_ns()}"
             os.rename(self.dir / step_dirname(s), dest)
             fault("prune", step)

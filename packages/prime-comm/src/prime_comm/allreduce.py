@@ -37,6 +37,7 @@ from prime_comm._wait import Waiter, parse_timeout
 MIN_PIECE = 1 << 16
 BITS = {"uint8": 8, "uint4": 4, "uint2": 2}  # compression -> bits per element
 DEFAULT_PIECE = 1 << 18
+FP32_PIECE = 1 << 22  # elements per float32 all-reduce (compression="none"): 16 MB buffers
 _ALIGN = 64  # slots start on cache lines (codebooks are read as float32)
 
 
@@ -199,18 +200,36 @@ def _describe(problem: Exception | None) -> str | None:
 
 
 def _fp32_all_reduce(pg, flat: torch.Tensor, world: int, op: str, waiter: Waiter):
-    # The group writes into a copy: after an abort a late peer could still complete the
-    # pending collective, and that must not scribble over the caller's tensor.
-    buf = flat.clone()
+    """The group's own float32 all-reduce, in pieces of `FP32_PIECE` elements through two
+    buffers (piece k + 1 is on the wire while piece k is copied back): the group writes into
+    a buffer, never the caller's tensor (after an abort a late peer could still complete a
+    pending collective), and no whole-tensor copy is made (it cost 4 bytes per element)."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
+    n = flat.numel()
+    bufs = [torch.empty(min(n, FP32_PIECE)) for _ in range(2 if n > FP32_PIECE else 1)]
     step = "the float32 all-reduce"
-    waiter.wait(waiter.issue(lambda: pg.allreduce([buf], opts), step), step)
+    pending: list[tuple[int, int, torch.Tensor, object]] = []
+    for k, a in enumerate(range(0, n, FP32_PIECE)):
+        b = min(n, a + FP32_PIECE)
+        buf = bufs[k % len(bufs)][: b - a]
+        if len(pending) == len(bufs):  # that buffer's piece must be back first
+            _fp32_piece_done(flat, pending.pop(0), world, op, waiter, step)
+        buf.copy_(flat[a:b])
+        work = waiter.issue(lambda buf=buf: pg.allreduce([buf], opts), step)
+        pending.append((a, b, buf, work))
+    for p in pending:
+        _fp32_piece_done(flat, p, world, op, waiter, step)
+    ring = ring_bytes(n, world)
+    return ring, ring
+
+
+def _fp32_piece_done(flat, piece, world: int, op: str, waiter: Waiter, step: str) -> None:
+    a, b, buf, work = piece
+    waiter.wait(work, step)
     if op == "avg":
         buf.div_(world)
-    flat.copy_(buf)
-    ring = ring_bytes(flat.numel(), world)
-    return ring, ring
+    flat[a:b].copy_(buf)
 
 
 def _slot(n: int, bits: int) -> int:

@@ -100,8 +100,10 @@ class Checkpointer:
         group: dist.ProcessGroup | None = None,
         remote_options: dict[str, Any] | None = None,
         identity: dict[str, str] | None = None,
+        upload_timeout_s: float | None = None,
     ):
         self.disk_dir, self.every, self.remote = disk_dir, every, remote
+        self.upload_timeout_s = upload_timeout_s
         self.identity = dict(identity or {})
         self.manager = CheckpointManager(
             disk_dir,
@@ -187,7 +189,9 @@ class Checkpointer:
         return self.manager.committed_steps()
 
     def close(self) -> None:
-        self.manager.close()
+        """The final checkpoint reaches disk; its upload is waited for `upload_timeout_s` at
+        most (the next start finishes it)."""
+        self.manager.close(remote_timeout=self.upload_timeout_s)
 
 
 def checkpoint_dir(cfg, launcher_index: int | None) -> Path:

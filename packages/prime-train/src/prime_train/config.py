@@ -144,6 +144,12 @@ class CkptConfig(Section):
     dir: Path | None = Field(None, description="checkpoint folder (default RUNS_DIR/NAME/ckpt)")
     shm_dir: Path | None = Field(None, description="RAM tier folder, e.g. /dev/shm/prime")
     remote: str | None = Field(None, description="fsspec URL for a remote copy (s3://...)")
+    upload_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="on the way out, the longest the final checkpoint's upload is waited for "
+        "(it is on disk by then; the next start finishes the upload)",
+    )
     remote_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec storage options for `remote` (e.g. endpoint_url); never saved to "
@@ -208,7 +214,7 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "launch": ("status_port",),
     # micro_batch_size: memory, not the math; stop_within_s: a node's own patience
     "train": ("threads", "device", "micro_batch_size", "stop_within_s"),
-    "ckpt": ("dir", "shm_dir", "remote", "keep"),
+    "ckpt": ("dir", "shm_dir", "remote", "keep", "upload_timeout_s"),
     # a node's own patience and disk, not the math
     "diloco": ("max_rejoins", "max_missed_rounds", "rejoin_wait_s", "replay_rounds"),
 }

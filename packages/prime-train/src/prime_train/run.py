@@ -92,6 +92,7 @@ class Run:
             placement.group if placement.world_size > 1 else None,
             remote_options=cfg.ckpt.remote_options,
             identity={"run": cfg.run.name, "config_hash": cfg.fingerprint_hash()},
+            upload_timeout_s=cfg.ckpt.upload_timeout_s,
         )
         try:
             self.ckpt.check_owner()

@@ -44,6 +44,7 @@ class Summary:
     resumed_from: int | None = None
     diloco: dict | None = None  # outer steps, bytes communicated and settings (multi-node)
     peak_gpu_memory_bytes: int | None = None  # this rank's peak CUDA allocation (None: CPU)
+    ckpt_errors: int = 0  # checkpoint saves and uploads that failed (an upload: at its first try)
 
 
 def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
@@ -81,6 +82,7 @@ def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
         peak_gpu_memory_bytes=(
             torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None
         ),
+        ckpt_errors=run.ckpt.errors,
     )
     if not run.primary:
         return summary
@@ -95,7 +97,9 @@ def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:
     run.log.info(
         f"{'stopped' if end.stopped_by else 'done'}: {end.step}/{cfg.train.steps} steps | "
         f"train loss {_fmt(last_loss)} | held-out loss {_fmt(eval_loss)}{ratio} | "
-        f"{summary.tokens:,} tokens | {seconds:.1f} s, {summary.tokens_per_s:,.0f} tok/s\n"
+        f"{summary.tokens:,} tokens | {seconds:.1f} s, {summary.tokens_per_s:,.0f} tok/s"
+        + (f" | {summary.ckpt_errors} checkpoint errors" if summary.ckpt_errors else "")
+        + "\n"
         + _diloco_line(summary.diloco)
         + f"  run folder {run.run_dir} ({summary_file.name}, metrics"
         f"{', ' + Path(plot).name if plot else ''}); checkpoints in {run.ckpt_dir}"

@@ -7,6 +7,7 @@ step = fetch_from_peer([server.url], dest, token=...)         # on the joiner
 from prime_ckpt.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneError
 from prime_ckpt.peer.auth import resolve_token
 from prime_ckpt.peer.fetch import PeerFetch, ask_donors, fetch_checkpoint, fetch_from_peer
+from prime_ckpt.peer.guard import Limits
 from prime_ckpt.peer.server import PeerServer, serve_directory
 from prime_ckpt.peer.side_files import fetch_side_file, list_side_files
 
@@ -15,6 +16,7 @@ __all__ = [
     "PeerAuthError",
     "PeerError",
     "PeerGoneError",
+    "Limits",
     "PeerFetch",
     "PeerServer",
     "ask_donors",

@@ -15,8 +15,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +27,14 @@ from prime_ckpt.manifest import (
     MANIFEST_NAME,
     Manifest,
     parse_step_dirname,
+    release_lease,
     step_dirname,
     write_lease,
 )
 
 log = logging.getLogger("prime_ckpt.peer")
 _HASH_CHUNK = 8 << 20
+ACTIVE_S = 30.0  # a step whose file was served this recently has a transfer going on
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class Catalog:
         self._jobs: dict[int, tuple[tuple, Future]] = {}  # step -> (key, verification)
         self._manifests: dict[int, tuple[tuple, bytes, str]] = {}  # step -> (stat, bytes, digest)
         self._leased: dict[int, float] = {}  # step -> monotonic time of the last lease write
+        self._served: dict[int, float] = {}  # step -> when a file of it was last being served
+        self._serving: dict[int, int] = {}  # step -> files of it being served now
         self._closing = threading.Event()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="prime-ckpt-peer-verify")
 
@@ -208,13 +214,43 @@ class Catalog:
         return path, entry.size
 
     def hold(self, step: int) -> None:
-        """Write or renew the lease on `step`; at most every quarter lease to spare the disk."""
+        """Write or renew the lease on `step`; at most every quarter lease to spare the disk.
+        Leasing a newer step drops this donor's leases on older ones that no transfer uses
+        (an index asked, nothing fetched: a joiner polling for a fresh checkpoint), so that
+        polling pins one checkpoint, not every one made while it polled."""
         now = time.monotonic()
-        last = self._leased.get(step)
-        if last is not None and now - last < self.lease_s / 4:
+        with self._lock:
+            idle = [s for s in self._leased if s < step and not self._busy(s, now)]
+            for s in idle:
+                del self._leased[s]
+            last = self._leased.get(step)
+            if last is not None and now - last < self.lease_s / 4:
+                last = -1.0
+            else:
+                self._leased[step] = now
+        for s in idle:
+            try:
+                release_lease(self.root, s)
+            except OSError:
+                pass
+        if last == -1.0:
             return
-        self._leased[step] = now
         try:
             write_lease(self.root, step, self.lease_s)
         except OSError:  # a read-only donor cannot lease; it still serves
             pass
+
+    def _busy(self, step: int, now: float) -> bool:
+        return self._serving.get(step, 0) > 0 or now - self._served.get(step, -1e9) < ACTIVE_S
+
+    @contextmanager
+    def serving(self, step: int) -> Iterator[None]:
+        """A file of `step` is being served: its lease is not dropped meanwhile."""
+        with self._lock:
+            self._serving[step] = self._serving.get(step, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._serving[step] -= 1
+                self._served[step] = time.monotonic()

@@ -6,7 +6,9 @@ import hashlib
 import http.client
 import os
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import quote, urlsplit
 
 import msgpack
@@ -17,10 +19,53 @@ from prime_ckpt.peer.auth import H_NONCE, H_RESP_AUTH, check_response, sign_requ
 from prime_ckpt.peer.catalog import Offer, safe_relpath
 
 _READ = 1 << 20
-# Paced reads (`pace` given): small reads and a small receive window, so that a paused reader
-# stops its donor within a fraction of a second instead of after megabytes in flight
-_PACED_READ = 16 << 10
-_PACED_RCVBUF = 16 << 10
+_RING = 3  # read buffers per connection: one being received, the others being hashed
+
+
+class _Window:
+    """The receive window and read size of a paced connection (`pace` given): about `AHEAD_S`
+    of the rate it reached lately, so that a paused reader stops its donor within about that
+    long (what is in flight is at most the window), while a fast link is not throttled by a
+    small window (16 KiB windows and reads held a loopback transfer to ~20 MB/s). The rate is
+    measured over wall time, pace waits included, so a capped or held transfer keeps a small
+    window; it starts small and grows by at most `AHEAD_S` / RTT per update."""
+
+    AHEAD_S = 0.1
+    MIN, MAX = 64 << 10, 4 << 20  # below 64 KiB, loopback stalled 0.2 s at a time
+
+    @property
+    def read(self) -> int:
+        """A quarter of the window: the donor keeps sending while a read is written."""
+        return min(_READ, self.size // 4)
+
+    def __init__(self) -> None:
+        self.size = self.MIN
+        self._bytes = 0
+        self._since = 0.0
+
+    def start(self, sock: socket.socket) -> None:
+        """A new connection: back to the smallest window (its rate is not known yet)."""
+        self.size = self.MIN
+        self._bytes, self._since = 0, time.monotonic()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.size)
+
+    def count(self, sock: socket.socket, n: int) -> None:
+        """`n` bytes were read; resize the window from the rate since the last resize, every
+        `AHEAD_S` or every 8 windows read (a fast link gets its window at once; what was
+        already buffered when the rate began to count is at most one window of the 8)."""
+        self._bytes += n
+        now = time.monotonic()
+        if now - self._since < self.AHEAD_S and self._bytes < 8 * self.size:
+            return
+        want = self._bytes / (now - self._since) * self.AHEAD_S
+        size = max(self.MIN, min(self.MAX, 1 << max(0, int(want).bit_length() - 1)))
+        self._bytes, self._since = 0, now
+        if size != self.size:
+            self.size = size
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+            except OSError:  # the connection is going away; the next read says so
+                pass
 
 
 def normalize_url(url: str) -> str:
@@ -62,7 +107,8 @@ class Connection:
         self._token = token
         self._timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
-        self._buf = memoryview(bytearray(_READ))
+        self._bufs = [memoryview(bytearray(_READ)) for _ in range(_RING)]
+        self._window = _Window() if pace is not None else None
 
     def close(self) -> None:
         if self._conn is not None:
@@ -72,10 +118,10 @@ class Connection:
     def _get(self, path: str, range_header: str = "") -> tuple[http.client.HTTPResponse, str]:
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
-            if self._pace is not None:
+            if self._window is not None:
                 try:
                     self._conn.connect()
-                    self._conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PACED_RCVBUF)
+                    self._window.start(self._conn.sock)
                 except OSError as e:
                     self.close()
                     raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
@@ -138,30 +184,57 @@ class Connection:
         end: int,
         fd: int,
         sink: Callable[[memoryview], object] | None = None,
+        marks: Sequence[int] = (),
+        done: Callable[[int], object] | None = None,
     ) -> int:
         """Download bytes [start, end) of file `name` into `fd` at the same offsets, passing
-        them in order to `sink` too (a running hash) if given."""
+        them in order to `sink` too (a running hash) if given. One request for the whole
+        range; `done(mark)` is called as the bytes up to each of `marks` (ascending, inside
+        the range) are written, so a caller keeps what arrived before a failure."""
         path = f"/v1/ckpt/{step}/{digest}/{quote(name)}"
         resp, _ = self._get(path, f"bytes={start}-{end - 1}")
         expect = f"bytes {start}-{end - 1}/"
         if resp.status != 206 or not (resp.getheader("Content-Range") or "").startswith(expect):
             self.close()
             raise PeerFailed(f"{self.url}: answered {resp.status} without the requested range")
-        pos, piece = start, _READ if self._pace is None else _PACED_READ
-        while pos < end:
-            want = min(piece, end - pos)
-            if self._pace is not None:
-                self._pace(want)
+        pending = [m for m in marks if start < m < end]
+        pending.reverse()
+        # `sink` (SHA-256, which releases the GIL) runs on its own thread over a ring of
+        # buffers, so hashing one read overlaps receiving and writing the next
+        with ThreadPoolExecutor(1, thread_name_prefix="prime-ckpt-hash") as hashing:
+            running: list[Future | None] = [None] * _RING
+            pos, i = start, 0
             try:
-                n = resp.readinto(self._buf[:want])
-            except (OSError, http.client.HTTPException) as e:
-                self.close()
-                raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
-            if not n:
-                self.close()
-                raise PeerFailed(f"{self.url}: connection closed after {pos - start} bytes")
-            os.pwrite(fd, self._buf[:n], pos)  # a local error (disk full) is not the donor's fault
-            if sink is not None:
-                sink(self._buf[:n])
-            pos += n
+                while pos < end:
+                    if running[i] is not None:
+                        running[i].result()  # that buffer is free again
+                    n = self._read_into(resp, self._bufs[i], end - pos, pos - start)
+                    os.pwrite(fd, self._bufs[i][:n], pos)  # a local error: not the donor's fault
+                    if sink is not None:
+                        running[i] = hashing.submit(sink, self._bufs[i][:n])
+                    pos += n
+                    i = (i + 1) % _RING
+                    while pending and pending[-1] <= pos and done is not None:
+                        done(pending.pop())
+            finally:
+                for f in running:  # no buffer may be hashed after this call returns
+                    if f is not None:
+                        f.result()
         return end - start
+
+    def _read_into(self, resp, buf: memoryview, left: int, got: int) -> int:
+        """One read of at most `left` bytes of the response body into `buf`, paced."""
+        want = min(_READ if self._window is None else self._window.read, left)
+        if self._pace is not None:
+            self._pace(want)
+        try:
+            n = resp.readinto(buf[:want])
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
+        if not n:
+            self.close()
+            raise PeerFailed(f"{self.url}: connection closed after {got} bytes")
+        if self._window is not None and self._conn is not None:
+            self._window.count(self._conn.sock, n)
+        return n

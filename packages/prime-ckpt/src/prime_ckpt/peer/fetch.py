@@ -44,6 +44,7 @@ from prime_ckpt.manifest import (
 from prime_ckpt.peer.auth import resolve_token
 from prime_ckpt.peer.catalog import Offer
 from prime_ckpt.peer.client import Connection, normalize_url
+from prime_ckpt.peer.journal import JOURNAL, Journal
 from prime_ckpt.peer.shared import (
     adopt,
     common_ranges,
@@ -52,7 +53,7 @@ from prime_ckpt.peer.shared import (
     meta_files,
     read_file,
 )
-from prime_ckpt.peer.transfer import JOURNAL, Download, Journal
+from prime_ckpt.peer.transfer import Download
 
 log = logging.getLogger("prime_ckpt.peer")
 

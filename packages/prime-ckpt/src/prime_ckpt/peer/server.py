@@ -13,11 +13,11 @@ the donor's CheckpointManager does not prune a step while a peer is downloading 
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
@@ -27,6 +27,8 @@ import msgpack
 from prime_ckpt.errors import PeerAuthError, PeerBusy, PeerGone, PeerRefused
 from prime_ckpt.peer.auth import H_RESP_AUTH, Verifier, resolve_token, sign_response
 from prime_ckpt.peer.catalog import Catalog
+from prime_ckpt.peer.guard import Admission, HandshakeRefused, Limits, RefusalLog, RequestReader
+from prime_ckpt.peer.ratelimit import RateLimit
 from prime_ckpt.peer.side_files import SideFiles, route
 
 log = logging.getLogger("prime_ckpt.peer")
@@ -37,34 +39,30 @@ _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _PIECE = 256 << 10
 
 
-class RateLimit:
-    """A token bucket shared by all connections (keeps a donor's uplink usable for training)."""
-
-    def __init__(self, bytes_per_s: float, closing: threading.Event) -> None:
-        self.rate = float(bytes_per_s)
-        self._closing = closing
-        self._lock = threading.Lock()
-        self._next = time.monotonic()
-
-    def take(self, n: int) -> None:
-        with self._lock:
-            now = time.monotonic()
-            start = max(now, self._next)
-            self._next = start + n / self.rate
-            wait = start - now
-        if wait > 0 and self._closing.wait(wait):
-            raise ConnectionAbortedError("server closing")
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "prime-ckpt-peer/1"
-    timeout = 60  # an idle keep-alive connection is dropped after this
     server: _HTTPServer
 
     def setup(self) -> None:
+        limits = self.server.peer.admission.limits
+        self.timeout = limits.idle_s
         super().setup()
+        # the header and the file go in separate writes: without this, Nagle held the file's
+        # first bytes for the fetcher's delayed ACK (40 ms per request)
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rfile.close()  # requests are read through the guard instead (`guard`)
+        self._reader = RequestReader(self.connection, limits)
+        self.rfile = io.BufferedReader(self._reader)
         self.server.track(self.connection, True)
+
+    def handle_one_request(self) -> None:
+        self._reader.begin()
+        try:
+            super().handle_one_request()
+        except HandshakeRefused as e:
+            self.server.peer.refusals.warn(self.client_address[0], str(e))
+            self.close_connection = True
 
     def finish(self) -> None:
         try:
@@ -86,17 +84,22 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _refuse_method(self) -> None:
+        self._reader.end()
+        self.close_connection = True  # not a fetcher: one request is all it gets
         self._text(405, f"{self.command} is not supported by a prime-ckpt donor; use GET")
 
     do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _refuse_method
 
     def do_GET(self) -> None:
         peer: PeerServer = self.server.peer
+        self._reader.end()
         try:
             nonce = peer.authenticate("GET", self.path, self.headers)
         except PeerAuthError as e:
-            log.warning("refused %s from %s: %s", self.path, self.client_address[0], e)
+            peer.refusals.warn(self.client_address[0], f"{self.path[:200]}: {e}")
+            self.close_connection = True  # nothing more before authentication
             return self._text(e.status, str(e))
+        self._reader.authenticated = True
         try:
             if self.path == "/v1/index":
                 return self._index(peer, nonce)
@@ -108,12 +111,13 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._text(404, f"no such route {self.path!r}")
             step, digest, name = int(m.group(1)), m.group(2), unquote(m.group(3))
             path, size = peer.catalog.resolve(step, digest, name)
-            peer.catalog.hold(step)  # renew the lease while the transfer goes on
-            self._send_file(peer, path, size)
+            with peer.catalog.serving(step):
+                peer.catalog.hold(step)  # renew the lease while the transfer goes on
+                self._send_file(peer, path, size)
         except PeerGone as e:
             self._text(410, str(e))
         except PeerRefused as e:
-            log.warning("refused %s from %s: %s", self.path, self.client_address[0], e)
+            peer.refusals.warn(self.client_address[0], f"{self.path[:200]}: {e}")
             self._text(e.status, str(e))
 
     def _index(self, peer: PeerServer, nonce: str) -> None:
@@ -214,6 +218,13 @@ class _HTTPServer(ThreadingHTTPServer):
         self._dropped = False
         super().__init__(addr, handler)
 
+    def verify_request(self, request, client_address) -> bool:
+        return self.peer.admission.admit(request, client_address[0])
+
+    def shutdown_request(self, request) -> None:
+        self.peer.admission.release(request)
+        super().shutdown_request(request)
+
     def handle_error(self, request, client_address) -> None:
         # A fetcher that went away mid-file is routine for a donor, not a traceback.
         log.debug("connection from %s ended with an error", client_address, exc_info=True)
@@ -257,8 +268,11 @@ class PeerServer:
         max_bytes_per_s: float | None = None,
         lease_s: float = 120.0,
         files_dir: str | Path | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self._token = resolve_token(token)
+        self.refusals = RefusalLog()
+        self.admission = Admission(limits or Limits(), self.refusals)
         self.disk_dir = Path(disk_dir)
         if not self.disk_dir.is_dir():
             raise FileNotFoundError(
@@ -358,14 +372,24 @@ def serve_directory(
     advertise_host: str | None = None,
     max_bytes_per_s: float | None = None,
     files_dir: str | Path | None = None,
+    limits: Limits | None = None,
 ) -> PeerServer:
     """Share the newest committed checkpoint under `disk_dir` with joining peers.
 
     `token` defaults to $PRIME_TOKEN. Serving on a wildcard address (0.0.0.0, ::) needs
     `advertise_host`, the address put in `.url`. `max_bytes_per_s` caps the upload rate (all
     connections and routes together). `files_dir`: also serve the side files in that folder
-    (see `prime_ckpt.peer.side_files`).
+    (see `prime_ckpt.peer.side_files`). `limits`: caps on connections and request headers
+    (`prime_ckpt.peer.guard.Limits`; the defaults hold 64 connections, 16 per address, a
+    10 s deadline on each request header).
     """
     return PeerServer(
-        disk_dir, host, port, token, advertise_host, max_bytes_per_s, files_dir=files_dir
+        disk_dir,
+        host,
+        port,
+        token,
+        advertise_host,
+        max_bytes_per_s,
+        files_dir=files_dir,
+        limits=limits,
     )

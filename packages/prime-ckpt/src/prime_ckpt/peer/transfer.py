@@ -27,11 +27,13 @@ from pathlib import Path
 from prime_ckpt.errors import PeerAuthError, PeerError, PeerFailed, PeerGone, PeerGoneError
 from prime_ckpt.manifest import Manifest
 from prime_ckpt.peer.client import Connection
+from prime_ckpt.peer.journal import Journal
+from prime_ckpt.peer.writeback import start_writeback
 
 log = logging.getLogger("prime_ckpt.peer")
 
-JOURNAL = ".progress"
 _STRIKES = 2  # consecutive failures before a donor is dropped
+_SPAN = 32 << 20  # the most one request asks for (consecutive chunks; each journaled alone)
 
 
 @dataclass
@@ -56,62 +58,21 @@ class _Todo:
         with self._lock:
             self._items.append(chunk)
 
-    def take(self) -> _Chunk | None:
+    def take(self, span: int = 1) -> list[_Chunk]:
+        """The next chunk and those that follow it in the same file, up to `span` bytes in
+        all (one request for them: a request per 1 MiB chunk cost more than the bytes)."""
         with self._lock:
-            return self._items.popleft() if self._items else None
-
-
-class Journal:
-    """Append-only record of finished byte ranges, one 'start<TAB>end<TAB>name' line each.
-    Ranges rather than chunk numbers, so a rerun with another chunk size still resumes."""
-
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / JOURNAL
-        self._lock = threading.Lock()
-        self._fd: int | None = None
-
-    def load(self) -> dict[str, list[tuple[int, int]]]:
-        """File name -> finished [start, end) ranges."""
-        done: dict[str, list[tuple[int, int]]] = {}
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return done
-        for line in text.split("\n")[:-1]:  # a torn last line has no newline: refetched
-            start, _, rest = line.partition("\t")
-            end, _, name = rest.partition("\t")
-            if start.isdigit() and end.isdigit() and name:
-                done.setdefault(name, []).append((int(start), int(end)))
-        return done
-
-    @staticmethod
-    def covers(done: dict[str, list[tuple[int, int]]], name: str, start: int, end: int) -> bool:
-        return any(s <= start and end <= e for s, e in done.get(name, ()))
-
-    def mark(self, name: str, start: int, end: int) -> None:
-        with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.write(self._fd, f"{start}\t{end}\t{name}\n".encode())
-
-    def forget(self, names: set[str]) -> None:
-        """Drop every record of `names` (their files failed the checksum)."""
-        self.close()
-        keep = [
-            f"{s}\t{e}\t{n}\n"
-            for n, ranges in sorted(self.load().items())
-            if n not in names
-            for s, e in ranges
-        ]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(keep))
-        tmp.replace(self.path)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if not self._items:
+                return []
+            run = [self._items.popleft()]
+            while self._items and run[-1].end - run[0].start < span:
+                nxt = self._items[0]
+                if nxt.name != run[-1].name or nxt.start != run[-1].end:
+                    break
+                if nxt.end - run[0].start > span:
+                    break
+                run.append(self._items.popleft())
+            return run
 
 
 class _Hashes:
@@ -264,6 +225,9 @@ class Download:
         if not self._remaining:
             return
         fds = self._open_files()
+        count = min(max(self.connections, len(self._all())), self._remaining)
+        # runs short enough that every worker gets several: the donors share the work
+        self._span = max(self.chunk_bytes, min(_SPAN, total // (4 * count)))
         try:
             workers = [
                 threading.Thread(
@@ -272,7 +236,7 @@ class Download:
                     daemon=True,
                     name=f"prime-ckpt-fetch-{i}",
                 )
-                for i in range(min(max(self.connections, len(self._all())), self._remaining))
+                for i in range(count)
             ]
             for w in workers:
                 w.start()
@@ -311,12 +275,64 @@ class Download:
     def _all(self) -> list[str]:
         return self.donors.alive() + self.helpers.alive()
 
-    def _take(self, helper: bool) -> _Chunk | None:
+    def _take(self, helper: bool) -> list[_Chunk]:
         """A helper takes shared chunks only; a donor of the pinned digest its own first."""
-        return self._shared.take() if helper else (self._own.take() or self._shared.take())
+        if helper:
+            return self._shared.take(self._span)
+        return self._own.take(self._span) or self._shared.take(self._span)
 
     def _requeue(self, chunk: _Chunk) -> None:
         (self._shared if chunk.shared else self._own).put(chunk)
+
+    def _chunk_done(self, url: str, chunk: _Chunk, fd: int) -> None:
+        """One chunk is written: journal it, count it, and hash its file once complete."""
+        start_writeback(fd, chunk.start, chunk.end - chunk.start)
+        self.journal.mark(chunk.name, chunk.start, chunk.end)
+        with self._lock:
+            self.fetched += chunk.end - chunk.start
+            self.by_donor[url] = self.by_donor.get(url, 0) + chunk.end - chunk.start
+            self._remaining -= 1
+            self._pending[chunk.name] -= 1
+            complete = self._pending[chunk.name] == 0
+        if complete:  # finish the hash now, while other workers keep the network busy
+            entry = self.manifest.files[chunk.name]
+            digest = self._hashes.finish(chunk.name, self.folder / chunk.name)
+            self.checked[chunk.name] = digest == entry.sha256
+
+    def _fetch_run(self, conn: Connection, url: str, run: list[_Chunk], fd: int) -> None:
+        """Fetch consecutive chunks of one file in one request; the chunks that arrived before
+        a failure are kept, the others requeued, and the failure raised."""
+        first, last = run[0], run[-1]
+        for c in run:
+            c.tries += 1
+        hasher = self._hashes.claim(first.name, first.start)
+        ends = {c.end: c for c in run}
+        finished: list[_Chunk] = []
+
+        def done(mark: int) -> None:
+            finished.append(ends[mark])
+            self._chunk_done(url, ends[mark], fd)
+
+        try:
+            conn.read_range(
+                self.manifest.step,
+                self.helper_digests.get(url, self.digest),
+                first.name,
+                first.start,
+                last.end,
+                fd,
+                hasher.update if hasher else None,
+                marks=[c.end for c in run[:-1]],
+                done=done,
+            )
+        except BaseException:
+            # the hash state holds bytes past the last whole chunk: the file is read back
+            self._hashes.release(first.name, hasher, None)
+            for c in run[len(finished) :]:
+                self._requeue(c)
+            raise
+        self._hashes.release(first.name, hasher, last.end if hasher else None)
+        self._chunk_done(url, last, fd)
 
     def _work(self, slot: int, fds: dict[str, int]) -> None:
         conn: Connection | None = None
@@ -328,8 +344,8 @@ class Download:
                     return
                 url = alive[slot % len(alive)]  # the slots spread over the donors left
                 helper = url in self.helper_digests
-                chunk = self._take(helper)
-                if chunk is None:  # all taken; one may come back if its donor fails
+                run = self._take(helper)
+                if not run:  # all taken; one may come back if its donor fails
                     time.sleep(0.02)
                     continue
                 pool = self.helpers if helper else self.donors
@@ -337,45 +353,19 @@ class Download:
                     if conn is not None:
                         conn.close()
                     conn = Connection(url, self.token, self.timeout, self.pace)
-                chunk.tries += 1
-                hasher = self._hashes.claim(chunk.name, chunk.start)
                 try:
-                    n = conn.read_range(
-                        self.manifest.step,
-                        self.helper_digests.get(url, self.digest),
-                        chunk.name,
-                        chunk.start,
-                        chunk.end,
-                        fds[chunk.name],
-                        hasher.update if hasher else None,
-                    )
+                    self._fetch_run(conn, url, run, fds[run[0].name])
                 except PeerGone as e:
-                    self._hashes.release(chunk.name, hasher, None)
                     pool.fail(url, str(e), fatal=True)
-                    self._requeue(chunk)
                     continue
                 except PeerFailed as e:
-                    self._hashes.release(chunk.name, hasher, None)
                     pool.fail(url, str(e))
-                    if chunk.tries >= max_tries:
+                    if run[-1].tries >= max_tries:
                         raise PeerError(
-                            f"{chunk.name}: gave up after {chunk.tries} tries: {e}"
+                            f"{run[-1].name}: gave up after {run[-1].tries} tries: {e}"
                         ) from e
-                    self._requeue(chunk)
                     continue
-                self._hashes.release(chunk.name, hasher, chunk.end if hasher else None)
                 pool.ok(url)
-                self.journal.mark(chunk.name, chunk.start, chunk.end)
-                with self._lock:
-                    self.fetched += n
-                    self.by_donor[url] = self.by_donor.get(url, 0) + n
-                    self._remaining -= 1
-                    self._pending[chunk.name] -= 1
-                    complete = self._pending[chunk.name] == 0
-                if complete:  # finish the hash now, while other workers keep the network busy
-                    entry = self.manifest.files[chunk.name]
-                    digest = self._hashes.finish(chunk.name, self.folder / chunk.name)
-                    self.checked[chunk.name] = digest == entry.sha256
         except (PeerAuthError, PeerError, OSError) as e:
             with self._lock:
                 self._error = self._error or e
