@@ -122,6 +122,7 @@ class SimNode:
         self.hb_rtt: list[float] = []
         self.round_s: list[float] = []
         self.stop = threading.Event()
+        self.joined = threading.Event()  # registered and connected to the store
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _join(self) -> None:
@@ -151,6 +152,7 @@ class SimNode:
 
         client.on_message = on_message
         client.channel.send = timed_send  # type: ignore[method-assign]
+        self.joined.set()
 
     def _run(self) -> None:
         try:
@@ -160,14 +162,14 @@ class SimNode:
                     continue
                 try:
                     self._rounds()
-                except MeshError:  # evicted (or refused): come back as a new node
+                except (MeshError, OSError):  # evicted (or refused): come back as a new node
                     if self.stop.is_set():
                         return
                     assert self.session is not None
                     self.session.client.close()
                     self.retries += 1
                     self._join()
-        except MeshError as e:
+        except (MeshError, OSError) as e:
             self.swarm.failures.append(str(e))
 
     def _rounds(self) -> None:
@@ -234,11 +236,14 @@ class Swarm:
         st = self.status()
         return st["epoch"], sum(1 for v in st["nodes"] if v["state"] == "member")
 
-    def wait_members(self, count: int, timeout: float) -> float | None:
-        """Seconds until the epoch holds `count` members (None: not within `timeout`)."""
+    def wait_members(
+        self, count: int, timeout: float, nodes: list[SimNode] | None = None
+    ) -> float | None:
+        """Seconds until the epoch holds `count` members and every one of `nodes` has joined
+        (None: not within `timeout`)."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
-            if self.members()[1] == count:
+            if all(n.joined.is_set() for n in nodes or []) and self.members()[1] == count:
                 return time.monotonic() - t0
             time.sleep(0.02)
         return None
@@ -253,7 +258,7 @@ class Swarm:
     def storm(self) -> dict:
         t0 = time.monotonic()
         self.add(self.n)
-        took = self.wait_members(self.n, 120)
+        took = self.wait_members(self.n, 120, self.nodes)
         epoch = self.members()[0]
         return {
             "storm_s": took,
@@ -307,8 +312,7 @@ class Swarm:
             t.join(30)
         time.sleep(1.0)  # later epochs that the leaving still caused
         epoch1, _ = self.members()
-        self.add(k)
-        back_s = self.wait_members(self.n, 60)
+        back_s = self.wait_members(self.n, 60, self.add(k))
         epoch2, _ = self.members()
         return {
             "leave_epochs": epoch1 - epoch0,
