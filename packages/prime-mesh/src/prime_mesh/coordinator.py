@@ -20,6 +20,7 @@ import threading
 from typing import Any
 
 from prime_mesh.connections import ConnectionLoop, LoopConn
+from prime_mesh.departures import DEPART_BATCH_S
 from prime_mesh.membership import Membership, Refused
 from prime_mesh.node import Node
 from prime_mesh.wire import resolve_token
@@ -88,7 +89,9 @@ class Coordinator:
         self._port = port
         self._store_port = store_port
         self.advertise_host = advertise_host
-        self.state = Membership(min_nodes=min_nodes, reform_wait=reform_wait)
+        self.state = Membership(
+            min_nodes=min_nodes, reform_wait=reform_wait, depart_batch_s=DEPART_BATCH_S
+        )
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
