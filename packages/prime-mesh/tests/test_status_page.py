@@ -162,6 +162,9 @@ def test_security_headers_and_read_only(served):
 def test_a_leaving_node_is_in_the_epoch_history(served):
     coord, _, mesh = served
     mesh.close()
+    # a departure takes effect with those close to it (the coordinator's batch window)
+    wait_until(lambda: coord.page_status()["events"][-1]["kind"] == "left", 5,
+               what="the departure's epoch")  # fmt: skip
     data = coord.page_status()
     assert [(e["kind"], e["node_id"], e["reason"]) for e in data["events"]][-1] == (
         "left",

@@ -9,6 +9,7 @@ its socket closes or nothing has arrived for `heartbeat_timeout` seconds.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -63,6 +64,15 @@ class CoordinatorClient:
             sock.close()
             raise
         sock.settimeout(None)
+        # Sends time out (a kernel send timeout, so reads still block): a coordinator that
+        # stopped reading must not hold the send lock, and with it every request of this
+        # node, for longer than it takes to declare the coordinator lost.
+        sec = max(heartbeat_timeout, 0.001)
+        sock.setsockopt(
+            socket.SOL_SOCKET,
+            socket.SO_SNDTIMEO,
+            struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6)),
+        )
         self.local_host = sock.getsockname()[0]
         self._cond = threading.Condition()
         self._replies: dict[int, dict] = {}
@@ -98,10 +108,17 @@ class CoordinatorClient:
         try:
             self.channel.send(msg)
         except OSError as e:
-            self.wait_for(lambda: False, 1.0)  # give the reader time to read an eviction notice
-            self._fail(CoordinatorLost, f"lost the coordinator at {self.address}: {e}")
+            if not self._closing:
+                self.wait_for(lambda: False, 1.0)  # time for the reader to read an eviction notice
+            self._send_failed(e)
             self.check()
             raise
+
+    def _send_failed(self, e: OSError) -> None:
+        """A send failed or timed out: a frame may be cut short, so the stream is over."""
+        what = "sending timed out" if isinstance(e, BlockingIOError | TimeoutError) else str(e)
+        self._fail(CoordinatorLost, f"lost the coordinator at {self.address}: {what}")
+        self.channel.close()
 
     def leave(self, completed: bool = False) -> None:
         """Tell the coordinator this node leaves the run (`completed`: it finished it). Best
@@ -183,10 +200,8 @@ class CoordinatorClient:
                 beat["progress"] = reports
             try:
                 self.channel.send(beat)
-            except OSError:
-                self._fail(
-                    CoordinatorLost, f"lost the coordinator at {self.address}: connection closed"
-                )
+            except OSError as e:
+                self._send_failed(e)
                 return
             now = time.monotonic()
             if now - last > self.heartbeat_interval + self.heartbeat_timeout / 2:

@@ -1,10 +1,12 @@
 """The membership coordinator: a small TCP server, runnable alone or inside a trainer process.
 
-It authenticates every connection (see `wire`), feeds messages into `Membership` under one
-lock, and hosts the TCPStore that the inter-node gloo groups rendezvous through (each epoch
-under a fresh random prefix). Both listen on the coordinator's host only: its port, and the
-store's (`store_port`, 0: a free one). Heartbeats arrive over each local rank's persistent
-connection, so a SIGKILLed node is evicted as soon as its socket closes.
+It serves every connection from one thread (`prime_mesh.connections`: an event loop, so its
+threads are bounded whatever the number of nodes), authenticates each (see `wire`), feeds
+messages into `Membership` under one lock, and hosts the TCPStore that the inter-node gloo
+groups rendezvous through (each epoch under a fresh random prefix). Both listen on the
+coordinator's host only: its port, and the store's (`store_port`, 0: a free one).
+Heartbeats arrive over each local rank's persistent connection, so a SIGKILLed node is
+evicted as soon as its socket closes.
 """
 
 from __future__ import annotations
@@ -12,48 +14,30 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import queue
+import resource
 import socket
 import threading
 from typing import Any
 
-from prime_mesh.errors import MeshAuthError
+from prime_mesh.connections import ConnectionLoop, LoopConn
+from prime_mesh.departures import DEPART_BATCH_S
 from prime_mesh.membership import Membership, Refused
 from prime_mesh.node import Node
-from prime_mesh.wire import Channel, resolve_token, server_handshake
+from prime_mesh.wire import resolve_token
 
 log = logging.getLogger("prime_mesh.coordinator")
 
-_CLOSE = object()
 
-
-class _Conn:
-    """One client connection: a reader (in the handler thread) and a writer thread with a queue,
-    so a slow or stopped client never blocks the coordinator's lock."""
-
-    def __init__(self, channel: Channel, peer: str) -> None:
-        self.channel = channel
-        self.peer = peer
-        self._out: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write, name=f"mesh-write-{peer}", daemon=True)
-        self._writer.start()
-
-    def send(self, msg: dict) -> None:
-        self._out.put(msg)
-
-    def close_after_flush(self) -> None:
-        self._out.put(_CLOSE)
-
-    def _write(self) -> None:
-        while True:
-            msg = self._out.get()
-            if msg is _CLOSE:
-                break
-            try:
-                self.channel.send(msg)
-            except OSError:
-                break
-        self.channel.close()
+def _raise_open_files() -> None:
+    """Lift this process's soft limit on open files to its hard limit: each node holds two
+    (its connection, its store client), and the usual soft limit of 1024 caps a run at ~500."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _listen(host: str, port: int, option: str) -> socket.socket:
@@ -67,7 +51,7 @@ def _listen(host: str, port: int, option: str) -> socket.socket:
         raise OSError(
             f"cannot listen on {host}:{port} ({e.strerror}); pick another {option}"
         ) from None
-    sock.listen(128)
+    sock.listen(4096)  # a join storm of hundreds of nodes (the kernel caps it at somaxconn)
     return sock
 
 
@@ -91,19 +75,29 @@ class Coordinator:
         store_port: int = 0,
         advertise_host: str | None = None,
         reform_wait: float = 30.0,
+        handshake_s: float = 10.0,
+        max_conns: int = 4096,
+        max_pending_per_address: int = 256,
     ) -> None:
         self._key = resolve_token(token)
+        self._limits = {
+            "handshake_s": handshake_s,
+            "max_conns": max_conns,
+            "max_pending_per_address": max_pending_per_address,
+        }
         self.host = host
         self._port = port
         self._store_port = store_port
         self.advertise_host = advertise_host
-        self.state = Membership(min_nodes=min_nodes, reform_wait=reform_wait)
-        self._lock = threading.Lock()
+        self.state = Membership(
+            min_nodes=min_nodes, reform_wait=reform_wait, depart_batch_s=DEPART_BATCH_S
+        )
+        self.lock = threading.Lock()
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._store: Any = None  # torch.distributed.TCPStore, the gloo rendezvous
-        self._threads: list[threading.Thread] = []
-        self._conns: set[_Conn] = set()
+        self._loop: ConnectionLoop | None = None
+        self._thread: threading.Thread | None = None
         self._status_servers: list[Any] = []
 
     @property
@@ -119,6 +113,7 @@ class Coordinator:
         return self._store.port
 
     def start(self) -> Coordinator:
+        _raise_open_files()
         self._sock = _listen(self.host, self._port, "--port")
         try:
             store_sock = _listen(self.host, self._store_port, "--store-port")
@@ -145,23 +140,19 @@ class Coordinator:
         except BaseException:
             self.close()
             raise
-        for target, name in (
-            (self._accept_loop, "mesh-accept"),
-            (self._monitor_loop, "mesh-monitor"),
-        ):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._loop = ConnectionLoop(self._sock, self._key, self, **self._limits)
+        self._thread = threading.Thread(target=self._loop.run, name="mesh-loop", daemon=True)
+        self._thread.start()
         log.info("coordinator listening on %s (store port %d)", self.address, self.store_port)
         return self
 
     def status(self) -> dict:
-        with self._lock:
+        with self.lock:
             return self.state.status()
 
     def page_status(self) -> dict:
         """What the status page shows (see `Membership.page`): a copy, taken under the lock."""
-        with self._lock:
+        with self.lock:
             return self.state.page()
 
     def serve_status(self, host: str = "127.0.0.1", port: int = 0) -> Any:
@@ -181,18 +172,14 @@ class Coordinator:
         if self._stop.is_set():
             return
         self._stop.set()
+        if self._loop is not None:
+            self._loop.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._sock.close()
-        for conn in list(self._conns):
-            conn.channel.close()
         for server in self._status_servers:
             server.close()
-        for t in self._threads:
-            t.join(timeout=5)
         self._store = None
 
     def __enter__(self) -> Coordinator:
@@ -201,102 +188,67 @@ class Coordinator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- threads -------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:
-                return
-            t = threading.Thread(
-                target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True
-            )
-            t.start()
+    # ---- the connection loop's calls (under the lock) -------------------------------------
+    def on_tick(self) -> None:
+        self.state.tick()
 
-    def _monitor_loop(self) -> None:
-        while not self._stop.wait(0.1):
-            with self._lock:
-                self.state.tick()
-
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(10.0)  # the handshake must not pin a thread forever
+    def on_message(self, conn: LoopConn, msg: dict) -> None:
         try:
-            channel = server_handshake(sock, self._key)
-            first = channel.recv()
-        except (MeshAuthError, OSError, ConnectionError) as e:
-            log.warning("refused connection from %s: %s", peer, e)
-            Channel(sock, b"", b"S", b"", b"").refuse(f"authentication failed: {e}")
-            return
-        sock.settimeout(None)
-        conn = _Conn(channel, peer)
-        self._conns.add(conn)
-        node: Node | None = None
-        lr = 0
-        msg: dict | None = first
-        try:
-            while msg is not None and not self._stop.is_set():
-                node, lr = self._dispatch(conn, node, lr, msg)
-                msg = channel.recv()
-        except MeshAuthError as e:
-            log.warning("refused message from %s: %s", peer, e)
-            conn.send({"type": "error", "error": f"refused: {e}"})
-        except (OSError, ConnectionError, Refused):
-            pass
-        except Exception:  # a bug or malformed fields from an authenticated peer: drop only it
-            log.exception("closing the connection from %s after an error", peer)
-        finally:
-            self._conns.discard(conn)
-            # A closing coordinator evicts no one: pushing the epochs of its own shutdown would
-            # leave the nodes holding epochs that a restarted coordinator numbers again.
-            if node is not None and not self._stop.is_set():
-                with self._lock:
-                    self.state.evict(node, f"connection of local rank {lr} closed")
+            conn.node, conn.lr = self._dispatch(conn, conn.node, conn.lr, msg)  # type: ignore[arg-type]
+        except Refused:  # answered: the connection closes once the answer is written
             conn.close_after_flush()
 
+    def on_close(self, conn: LoopConn, why: str) -> None:
+        node, conn.node = conn.node, None
+        # A closing coordinator evicts no one: pushing the epochs of its own shutdown would
+        # leave the nodes holding epochs that a restarted coordinator numbers again.
+        if isinstance(node, Node) and not self._stop.is_set():
+            self.state.evict(node, f"connection of local rank {conn.lr} closed ({why})")
+
     def _dispatch(
-        self, conn: _Conn, node: Node | None, lr: int, msg: dict
+        self, conn: LoopConn, node: Node | None, lr: int, msg: dict
     ) -> tuple[Node | None, int]:
         kind, req = msg.get("type"), msg.get("id", 0)
-        with self._lock:
-            if kind == "status":
-                conn.send({"type": "reply", "id": req, "status": self.state.status()})
-            elif kind == "register" and node is None:
-                try:
-                    node = self.state.register(conn, msg)
-                except Refused as e:
-                    log.warning("refused registration from %s: %s", conn.peer, e)
-                    conn.send({"type": "reply", "id": req, "error": str(e), "kind": e.kind})
-                    raise
-                lr = int(msg["local_rank"])
-                conn.send(
-                    {
-                        "type": "reply",
-                        "id": req,
-                        "node_id": node.node_id,
-                        "store": [self.advertise_host, self.store_port],
-                        "epoch": self.state.epoch_info() if node.member else None,
-                        "joining": node.joining,
-                    }
-                )
-            elif node is None:
-                conn.send({"type": "reply", "id": req, "error": f"{kind!r} before registering"})
-            elif self.state.nodes.get(node.key) is not node:
-                pass  # evicted: it has been told so and its connection is closing
-            elif kind == "hb":
-                self.state.heartbeat(node, lr, msg.get("progress"))
-                conn.send({"type": "ack", "epoch": self.state.epoch})
-            elif kind == "sync":
-                self.state.sync(node, lr, conn, req, msg)
-            elif kind == "ready":
-                self.state.ready(node, lr)
-                conn.send({"type": "reply", "id": req, "state": self.state.state_of(node)})
-            elif kind == "vote":
-                self.state.vote(node, lr, conn, req, msg)
-            elif kind == "leave":
-                self.state.leave(node, bool(msg.get("completed")))
-                node = None
-            else:
-                conn.send({"type": "reply", "id": req, "error": f"unknown message type {kind!r}"})
+        if kind == "status":
+            conn.send({"type": "reply", "id": req, "status": self.state.status()})
+        elif kind == "register" and node is None:
+            return self._register(conn, req, msg), int(msg["local_rank"])
+        elif node is None:
+            conn.send({"type": "reply", "id": req, "error": f"{kind!r} before registering"})
+        elif self.state.nodes.get(node.key) is not node:
+            pass  # evicted: it has been told so and its connection is closing
+        elif kind == "hb":
+            self.state.heartbeat(node, lr, msg.get("progress"))
+            conn.send({"type": "ack", "epoch": self.state.epoch})
+        elif kind == "sync":
+            self.state.sync(node, lr, conn, req, msg)
+        elif kind == "ready":
+            self.state.ready(node, lr)
+            conn.send({"type": "reply", "id": req, "state": self.state.state_of(node)})
+        elif kind == "vote":
+            self.state.vote(node, lr, conn, req, msg)
+        elif kind == "leave":
+            self.state.leave(node, bool(msg.get("completed")))
+            node = None
+        else:
+            conn.send({"type": "reply", "id": req, "error": f"unknown message type {kind!r}"})
         return node, lr
+
+    def _register(self, conn: LoopConn, req: int, msg: dict) -> Node:
+        try:
+            node = self.state.register(conn, msg)
+        except Refused as e:
+            log.warning("refused registration from %s: %s", conn.peer, e)
+            conn.send({"type": "reply", "id": req, "error": str(e), "kind": e.kind})
+            raise
+        conn.send(
+            {
+                "type": "reply",
+                "id": req,
+                "node_id": node.node_id,
+                "store": [self.advertise_host, self.store_port],
+                "epoch": self.state.epoch_info() if node.member else None,
+                "joining": node.joining,
+            }
+        )
+        return node

@@ -166,6 +166,13 @@ def build_group(
     return ProcessGroupGloo(prefixed, epoch.members.index(node_id), len(epoch.members), opts)
 
 
+# torch's store client looks up the name of its own address while it connects (even with
+# logging off); where the resolver is slow that lookup alone takes 5 s, twice (measured in
+# a sandbox whose DNS drops concurrent queries: 256 clients at once needed 10 s). A client
+# that gave up at 10 s was evicted and came back, over and over.
+STORE_CONNECT_MIN_S = 30.0
+
+
 def connect_store(host: str, port: int, connect_timeout: float, pg_timeout: float) -> Any:
     """A client of the coordinator's TCPStore, through which every epoch's group rendezvous."""
     try:
@@ -174,7 +181,7 @@ def connect_store(host: str, port: int, connect_timeout: float, pg_timeout: floa
             port,
             None,
             False,
-            timeout=datetime.timedelta(seconds=connect_timeout),
+            timeout=datetime.timedelta(seconds=max(connect_timeout, STORE_CONNECT_MIN_S)),
             wait_for_workers=False,
         )
     except (RuntimeError, OSError) as e:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from prime_mesh.departures import Departures, log_departure
 from prime_mesh.membership_views import MembershipViews
 from prime_mesh.node import Conn, Node, name_held
 from prime_mesh.progress import History
@@ -43,6 +44,7 @@ from prime_mesh.registration import check_fits_run, parse_registration
 from prime_mesh.round_requests import RoundRequests, Slot, reply
 
 log = logging.getLogger("prime_mesh.coordinator")
+_HELD: Slot = ("", -1)  # a slot no node sends: a vote waits while departures are batched
 
 
 class Membership(MembershipViews):
@@ -54,6 +56,7 @@ class Membership(MembershipViews):
         min_nodes: int = 1,
         clock: Callable[[], float] = time.monotonic,
         reform_wait: float = 30.0,
+        depart_batch_s: float = 0.0,
     ) -> None:
         self.min_nodes = max(1, min_nodes)
         self.reform_wait = reform_wait
@@ -71,6 +74,9 @@ class Membership(MembershipViews):
         self.waits = self.pending.waits  # how long late members are waited for (see barrier)
         self.history = History()
         self.completed: str | None = None  # config hash of a run whose members finished it
+        self._required_slots: set[Slot] | None = None  # the members' slots (this epoch's)
+        # members leaving, batched into one epoch (the coordinator's window; 0: at once)
+        self._departing = Departures(clock, depart_batch_s)
 
     # ---- messages from nodes -------------------------------------------------------------
     def register(self, conn: Conn, msg: dict) -> Node:
@@ -181,36 +187,58 @@ class Membership(MembershipViews):
             conn.send(reply(req, result=False, reason="the epoch changed"))
             return
         seq, ok = int(msg.get("seq", 0)), bool(msg.get("ok"))
-        self.pending.vote(seq, (node.key, lr), conn, req, ok, self._required(), self.clock())
+        required = self._required() | {_HELD} if self._departing else self._required()
+        self.pending.vote(seq, (node.key, lr), conn, req, ok, required, self.clock())
 
     def evict(self, node: Node, reason: str) -> None:
-        self.evict_all([node], reason)
+        """Evict `node`: a joiner at once, a member with the batch of departures (see
+        `prime_mesh.departures`)."""
+        if self.nodes.get(node.key) is not node:
+            return
+        if node.member:
+            self._departing.add(node, reason)
+            log_departure(node, reason)  # now, not when the batch takes effect
+            if not self._departing.window:
+                self._evict(self._departing.take(), logged=True)
+        else:
+            self.evict_all([node], reason)
 
     def evict_all(self, nodes: list[Node], reason: str) -> None:
-        """Evict `nodes` (those still here) for `reason`; the members that stay get one new
-        epoch (several late members are left out of a sync point together)."""
-        nodes = [n for n in nodes if self.nodes.get(n.key) is n]
-        if not nodes:
-            return
-        left = reason == "left gracefully"
-        kind = "left" if left else "evicted"
+        """Evict `nodes` (those still here) for `reason` at once; the members that stay get
+        one new epoch (several late members are left out of a sync point together), with
+        the departures batched so far."""
         for node in nodes:
+            if self.nodes.get(node.key) is node:
+                log_departure(node, reason)
+        self._evict([(n, reason) for n in nodes] + self._departing.take(due_only=False), True)
+
+    def _evict(self, batch: list[tuple[Node, str]], logged: bool = False) -> None:
+        """Evict each node of `batch` (those still here) for its reason; one new epoch.
+        `logged`: the batch's departures were logged as they came."""
+        batch = [(n, r) for n, r in batch if self.nodes.get(n.key) is n]
+        if not batch:
+            return
+        for node, reason in batch:
+            kind = "left" if reason == "left gracefully" else "evicted"
             del self.nodes[node.key]
             self.gone.add(node.key)
             if node.key in self.joiners:
                 self.joiners.remove(node.key)
-            level = logging.INFO if left else logging.WARNING
-            log.log(level, "%s evicted: %s", node.node_id, reason)
+            if not logged:
+                log_departure(node, reason)
             self.history.departed_node(node.node_id, node.address, kind, reason)
             if not node.member:  # a joiner: no new epoch, but the page says what happened
                 self.history.event(kind, self.epoch, node.node_id, reason, self._member_ids())
             for c in node.conns.values():
                 c.send({"type": "evicted", "reason": reason, "node_id": node.node_id})
                 c.close_after_flush()
-        members = [n for n in nodes if n.member]
+        members = [(n, r) for n, r in batch if n.member]
         if members:
-            ids = ", ".join(n.node_id for n in members)
-            gone = {n.key for n in members}
+            ids = ", ".join(n.node_id for n, _ in members)
+            reasons = list(dict.fromkeys(r for _, r in members))
+            reason = reasons[0] if len(reasons) == 1 else "; ".join(reasons[:3])
+            kind = "left" if reasons == ["left gracefully"] else "evicted"
+            gone = {n.key for n, _ in members}
             self._new_epoch(
                 [k for k in self.members if k not in gone],
                 f"{ids} left: {reason}",
@@ -232,6 +260,7 @@ class Membership(MembershipViews):
                         f"(timeout {node.heartbeat_timeout:g}s): stalled or cut off",
                     )
                     break
+        self._evict(self._departing.take(), logged=True)
         self._leave_out_late(now)
 
     def _leave_out_late(self, now: float) -> None:
@@ -278,6 +307,7 @@ class Membership(MembershipViews):
             if key in self.nodes and key not in members:
                 self.nodes[key].member = False
         self.members = members
+        self._required_slots = None
         for key in members:
             self.nodes[key].member = True
             if key in self.joiners:
@@ -299,7 +329,7 @@ class Membership(MembershipViews):
                 conn.send({"type": "epoch", "epoch": info})
 
     def _check_barrier(self) -> None:
-        if not self.members:
+        if not self.members or self._departing:  # the departures' epoch answers them
             return
         passed = self.pending.sync_passed(self._required(), self.clock())
         if passed is None:
@@ -354,7 +384,11 @@ class Membership(MembershipViews):
             self.evict(by_id[node_id], why)
 
     def _required(self) -> set[Slot]:
-        return {(k, lr) for k in self.members for lr in range(self.nodes[k].local_world_size)}
+        """The slots of this epoch's members (kept: rebuilt per epoch, not per message)."""
+        if self._required_slots is None:
+            sizes = [(k, self.nodes[k].local_world_size) for k in self.members]
+            self._required_slots = {(k, lr) for k, n in sizes for lr in range(n)}
+        return self._required_slots
 
     def _run_node(self, exclude: str) -> Node | None:
         if self.members:

@@ -49,7 +49,8 @@ class RoundRequests:
     def sync_passed(self, required: set[Slot], now: float) -> tuple[bool, bool] | None:
         """None until every slot in `required` arrived; then (every arrival admits joiners,
         some arrival reports a failed collective), and the sync point's clock stops."""
-        if not set(self.arrivals) >= required:
+        # counted first: a full comparison per arrival costs O(members) each
+        if len(self.arrivals) < len(required) or not required <= self.arrivals.keys():
             return None
         self.waits.completed(now)
         entries = list(self.arrivals.values())
@@ -73,7 +74,9 @@ class RoundRequests:
         ballots = self.ballots.setdefault(seq, {})
         ballots[slot] = (conn, req, ok)
         self.waits.voted(seq, now)
-        if set(ballots) >= required - self.listening:
+        if len(ballots) + len(self.listening) >= len(required) and (
+            required - self.listening <= ballots.keys()
+        ):
             result = all(ok for _, _, ok in ballots.values())
             for c, r, _ in ballots.values():
                 c.send(reply(r, result=result))

@@ -26,6 +26,9 @@ from prime_mesh.errors import MeshAuthError
 
 PROTOCOL = b"prime-mesh/1"
 MAX_FRAME = 4 << 20
+# The client's hello is {"nonce": 16 bytes}: a few dozen bytes. A server reads no more than
+# this before the peer proved it holds the token (its first authenticated message).
+HELLO_MAX = 256
 _LEN = struct.Struct("!I")
 
 
@@ -51,8 +54,18 @@ def read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def frame_bytes(payload: bytes) -> bytes:
+    """`payload` with its length prefix."""
+    return _LEN.pack(len(payload)) + payload
+
+
+def frame_length(header: bytes) -> int:
+    """The payload length a 4-byte frame header announces."""
+    return _LEN.unpack(header)[0]
+
+
 def write_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_LEN.pack(len(payload)) + payload)
+    sock.sendall(frame_bytes(payload))
 
 
 def read_frame(sock: socket.socket) -> bytes:
@@ -93,15 +106,29 @@ class Channel:
         msg = PROTOCOL + direction + self._nonces + struct.pack("!Q", counter) + body
         return hmac.new(self._key, msg, hashlib.sha256).digest()
 
-    def send(self, msg: dict) -> None:
+    def pack(self, msg: dict) -> bytes:
+        """`msg` as the next length-prefixed frame of this stream (its counter taken): bytes to
+        write as they are, for a server that writes without blocking."""
         body = msgpack.packb(msg, use_bin_type=True)
         with self._send_lock:
+            self._send_counter += 1
+            c = self._send_counter
+            return frame_bytes(msgpack.packb([c, body, self._mac(self._send_dir, c, body)]))
+
+    def send(self, msg: dict) -> None:
+        # under the lock, so frames reach the socket in counter order
+        with self._send_lock:
+            body = msgpack.packb(msg, use_bin_type=True)
             self._send_counter += 1
             c = self._send_counter
             write_frame(self.sock, msgpack.packb([c, body, self._mac(self._send_dir, c, body)]))
 
     def recv(self) -> dict:
-        frame = _unpack(read_frame(self.sock))
+        return self.unpack(read_frame(self.sock))
+
+    def unpack(self, payload: bytes) -> dict:
+        """The message in one frame's payload, verified (else MeshAuthError)."""
+        frame = _unpack(payload)
         if isinstance(frame, dict) and "error" in frame:
             # Unauthenticated refusal: the peer could not verify us, so it cannot sign its answer.
             raise MeshAuthError(f"peer refused the connection: {frame['error']}")
@@ -140,11 +167,16 @@ class Channel:
         self.sock.close()
 
 
-def server_handshake(sock: socket.socket, key: bytes) -> Channel:
-    server_nonce = secrets.token_bytes(16)
-    write_frame(sock, msgpack.packb({"hello": PROTOCOL.decode(), "nonce": server_nonce}))
-    hello = _unpack(read_frame(sock))
-    nonce = hello.get("nonce") if isinstance(hello, dict) else None
+def server_hello() -> tuple[bytes, bytes]:
+    """The server's nonce and its greeting frame (the first bytes of every connection)."""
+    nonce = secrets.token_bytes(16)
+    return nonce, frame_bytes(msgpack.packb({"hello": PROTOCOL.decode(), "nonce": nonce}))
+
+
+def server_channel(sock: socket.socket, key: bytes, server_nonce: bytes, hello: bytes) -> Channel:
+    """The server's end of the channel, once the client's hello frame (`hello`) arrived."""
+    msg = _unpack(hello)
+    nonce = msg.get("nonce") if isinstance(msg, dict) else None
     if not (isinstance(nonce, bytes) and len(nonce) == 16):
         raise MeshAuthError("malformed client hello")
     return Channel(sock, key, b"S", server_nonce, nonce)
