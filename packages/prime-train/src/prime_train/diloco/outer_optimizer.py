@@ -10,10 +10,10 @@ nothing of nodes or networks: `prime_train.diloco.outer_step` does the averaging
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 
 import torch
+import xxhash
 from torch import Tensor
 
 
@@ -21,6 +21,11 @@ def local_tensor(p: Tensor) -> Tensor:
     """This rank's shard of a parameter (the DTensor's local tensor, or the tensor itself)."""
     to_local = getattr(p, "to_local", None)
     return to_local() if callable(to_local) else p
+
+
+def weights_digest(flat: Tensor) -> str:
+    """XXH3-128 (hex) of a contiguous CPU float32 tensor's bytes, read in place."""
+    return xxhash.xxh3_128_hexdigest(memoryview(flat.detach().numpy()).cast("B"))
 
 
 class OuterOptimizer:
@@ -98,8 +103,10 @@ class OuterOptimizer:
             local_tensor(p).add_(view)
 
     def digest(self) -> str:
-        """SHA-256 of this rank's outer weights: equal on every node after an outer step."""
-        return hashlib.sha256(self.weights.numpy().tobytes()).hexdigest()
+        """The hash of this rank's outer weights (XXH3-128, hex): equal on every node after an
+        outer step. Read straight from the buffer, no copy: at 1B parameters SHA-256 over a
+        copy took ~8 s a round, XXH3 takes about a memcpy's time."""
+        return weights_digest(self.weights)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The live buffers (a checkpoint loads into them in place)."""
