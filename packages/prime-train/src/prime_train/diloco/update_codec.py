@@ -15,23 +15,26 @@ from __future__ import annotations
 import torch
 
 ROW = 16384  # elements per row: a quarter of prime_comm's block, most rows lie in one block
-SLAB = 256  # rows sorted at once (bounds the temporary memory to ~12 bytes x SLAB x ROW)
+SLAB = 64  # rows sorted at once (bounds the temporary memory to ~30 bytes x SLAB x ROW: 32 MB)
 
 
-def pack(x: torch.Tensor) -> dict[str, bytes | int]:
-    """The msgpack-able packing of flat float32 `x` (see module doc)."""
+def pack(x: torch.Tensor) -> dict[str, bytes | memoryview | int]:
+    """The msgpack-able packing of flat float32 `x` (see module doc), read from `x` slab by
+    slab: no copy of it, and the indices written straight into one byte per element (the
+    bytes fields may be memoryviews of them, which msgpack writes as bin)."""
     x = x.detach().to("cpu").contiguous().view(-1)
     n = x.numel()
-    raw = {"kind": "raw", "numel": n, "data": x.numpy().tobytes()}
     if n == 0:
-        return raw
+        return _raw(x)
     rows = -(-n // ROW)
-    bits = torch.zeros(rows * ROW, dtype=torch.int32)
-    bits[:n] = x.view(torch.int32)  # the padding's zeros are one more value in the last row
-    bits = bits.view(rows, ROW)
-    counts, uniques, idx8, idx16 = [], [], [], []
+    bits = x.view(torch.int32)
+    idx8 = torch.empty(rows * ROW, dtype=torch.uint8)  # the small rows' indices, in order
+    counts, uniques, idx16, filled = [], [], [], 0
     for r0 in range(0, rows, SLAB):
-        s, perm = bits[r0 : r0 + SLAB].sort(dim=1)
+        slab = bits[r0 * ROW : (r0 + SLAB) * ROW]
+        if slab.numel() % ROW:  # the last row: padded with zeros, one more value in it
+            slab = torch.cat([slab, slab.new_zeros(ROW - slab.numel() % ROW)])
+        s, perm = slab.view(-1, ROW).sort(dim=1)
         new = torch.ones_like(s, dtype=torch.bool)
         new[:, 1:] = s[:, 1:] != s[:, :-1]
         rank = new.cumsum(1, dtype=torch.int32) - 1
@@ -40,21 +43,29 @@ def pack(x: torch.Tensor) -> dict[str, bytes | int]:
         counts.append(c)
         uniques.append(s[new])  # row-major: each row's values in turn
         small = c <= 256
-        idx8.append(idx[small].to(torch.uint8).view(-1))
+        k = int(small.sum()) * ROW
+        idx8[filled : filled + k] = idx[small].view(-1)  # (< 256: the uint8 cast is exact)
+        filled += k
         idx16.append(idx[~small].to(torch.int16).view(-1))  # < 65536: the int16 bits hold it
     count = torch.cat(counts)
-    u, i8, i16 = torch.cat(uniques), torch.cat(idx8), torch.cat(idx16)
-    size = 4 * count.numel() + 4 * u.numel() + i8.numel() + 2 * i16.numel()
+    u, i16 = torch.cat(uniques), torch.cat(idx16)
+    size = 4 * count.numel() + 4 * u.numel() + filled + 2 * i16.numel()
     if size >= 4 * n:
-        return raw
+        return _raw(x)
     return {
         "kind": "rows",
         "numel": n,
         "counts": count.numpy().tobytes(),
         "uniques": u.numpy().tobytes(),
-        "idx8": i8.numpy().tobytes(),
+        "idx8": memoryview(idx8[:filled].numpy()),
         "idx16": i16.numpy().tobytes(),
     }
+
+
+def _raw(x: torch.Tensor) -> dict[str, bytes | memoryview | int]:
+    """The raw packing: the float32 bytes themselves (a view of `x`: pack it before `x`
+    changes)."""
+    return {"kind": "raw", "numel": x.numel(), "data": memoryview(x.numpy()).cast("B")}
 
 
 def unpack(d: dict) -> torch.Tensor:
