@@ -12,12 +12,13 @@ uint8, synthetic data, a checkpoint every 10 steps, 2 kept); once the members co
   parameter, sampled from /proc every 0.2 s (the peak of RssAnon, RssFile + RssShmem), and
   the peak RSS (VmHWM), over the node's process tree;
 - disk per parameter at its peak (the node's folder, allocated blocks, sampled every 0.5 s);
-- the outer step's own seconds per round: a round's wall time less its inner compute, its
-  all-reduce and its wait at the sync point (`round_s - compute_s - allreduce_seconds -
-  sync_seconds`: everything else the round did, the weight hash and the replay log's entry
-  included), the median over rounds that followed no checkpoint, against a one-thread memcpy
-  of the fp32 weights timed in this process (`outer_over_memcpy`); checkpoint blocking: the
-  same median over the rounds that followed a checkpoint, less that one;
+- the outer step's own seconds per round, the rows' `outer_own_s` (the node's passes over
+  the model: pseudo-gradient, Nesterov and the copy into the model, the weight hash, the
+  replay log's entry), the median, against a one-thread memcpy of the fp32 weights timed in
+  this process (`outer_own_over_memcpy`); the rest of a round besides its inner compute,
+  all-reduce and sync point (`round_rest_s`: the vote's wait for the others, metrics, ...)
+  over rounds that followed no checkpoint; checkpoint blocking: the same median over the
+  rounds that followed a checkpoint, less that one;
 - for the joiner: the snapshot's bytes and MB/s, start to first contribution;
 - exit codes and seconds from SIGTERM to exit.
 Writes real_size.json into --out (default: a new temporary folder); exits 1 when a node did
@@ -76,6 +77,25 @@ def memcpy_seconds(numel: int, repeat: int = 5) -> float:
         return best
     finally:
         torch.set_num_threads(threads)
+
+
+BASELINE = """
+import torch, prime_train.cli, prime_train.trainer, prime_train.run, prime_mesh, prime_ckpt, prime_comm
+import torch.distributed
+print({k: int(v.split()[0]) * 1024 for k, v in
+       (line.split(":", 1) for line in open("/proc/self/status")) if k in ("RssAnon", "VmRSS")})
+"""
+
+
+def interpreter_memory() -> dict[str, int]:
+    """RssAnon and VmRSS of an interpreter that imported what a node imports, before any
+    model: the fixed cost subtracted from the per-parameter figures (`*_less_interpreter`)."""
+    import ast
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", BASELINE], capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 
 
 def _tree(pid: int) -> list[int]:
@@ -169,26 +189,23 @@ def node_args(args: argparse.Namespace) -> list[str]:
 def outer_figures(rows: list[dict], memcpy_s: float) -> dict:
     """The outer step's own seconds and checkpoint blocking from a node's rows (module doc)."""
     outer = [r for r in outer_rows(rows) if r.get("round_s") and r["outer_step"] > 1]
-    own = {r["step"]: r["round_s"] - r["compute_s"] - r["allreduce_seconds"]
-           - r.get("sync_seconds", 0.0) for r in outer}  # fmt: skip
-    # a round's own time holds the previous boundary's checkpoint (every 10 steps)
-    clean = [s for step, s in own.items() if (step - 5) % 10 != 0]
-    after_ckpt = [s for step, s in own.items() if (step - 5) % 10 == 0]
-    if not clean:
+    if not outer:
         return {}
-    median = statistics.median(clean)
+    own = statistics.median(r["outer_own_s"] for r in outer)
+    # besides its inner compute, all-reduce and sync point, a round holds the previous
+    # boundary's work: its checkpoint every 10 steps, the vote, the metrics
+    rest = {r["step"]: r["round_s"] - r["compute_s"] - r["allreduce_seconds"]
+            - r.get("sync_seconds", 0.0) for r in outer}  # fmt: skip
+    clean = [s for step, s in rest.items() if (step - 5) % 10 != 0]
+    after_ckpt = [s for step, s in rest.items() if (step - 5) % 10 == 0]
     return {
         "rounds": len(outer),
-        "outer_own_s": round(median, 3),
-        "outer_over_memcpy": round(median / memcpy_s, 1),
-        "outer_seconds_less_allreduce_and_sync_s": round(
-            statistics.median(
-                r["outer_seconds"] - r["allreduce_seconds"] - r.get("sync_seconds", 0.0)
-                for r in outer
-            ),
-            3,
-        ),  # fmt: skip
-        "ckpt_blocking_s": round(statistics.median(after_ckpt) - median, 3) if after_ckpt else None,
+        "outer_own_s": round(own, 3),
+        "outer_own_over_memcpy": round(own / memcpy_s, 1),
+        "round_rest_s": round(statistics.median(clean), 3) if clean else None,
+        "ckpt_blocking_s": round(statistics.median(after_ckpt) - statistics.median(clean), 3)
+        if clean and after_ckpt
+        else None,
     }
 
 
@@ -277,7 +294,7 @@ def run_job(args: argparse.Namespace, work: Path, sampler: Sampler) -> tuple[dic
 def measure(args: argparse.Namespace, work: Path) -> dict:
     """Run the job in `work` and gather every figure (module doc)."""
     params = num_params(args.dim, args.n_layers, args.vocab_size)
-    memcpy_s = memcpy_seconds(params)
+    memcpy_s, fixed = memcpy_seconds(params), interpreter_memory()
     sampler = Sampler()
     sampler.start()
     try:
@@ -290,15 +307,21 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         hashes[name] = {r["outer_step"]: r["outer_sha256"] for r in outer_rows(rows)}
         nodes[name] = {
             "anon_B_per_param": round(peak["anon"] / params, 1),
+            "anon_B_per_param_less_interpreter": round(
+                (peak["anon"] - fixed["RssAnon"]) / params, 1
+            ),
             "staging_B_per_param": round(peak["staging"] / params, 1),
             "peak_rss_B_per_param": round(peak["hwm"] / params, 1),
+            "peak_rss_B_per_param_less_interpreter": round(
+                (peak["hwm"] - fixed["VmRSS"]) / params, 1
+            ),
             "disk_B_per_param": round(peak["disk"] / params, 1),
             **outer_figures(rows, memcpy_s),
             **(joiner_figures(rows, started[name]) if name == "joiner" else {}),
             **exits.get(name, {}),
         }
     same = all(h.get(k) in (None, v) for h in hashes.values() for k, v in hashes["member0"].items())
-    return {"params": params, "memcpy_s": round(memcpy_s, 4),
+    return {"params": params, "interpreter": fixed, "memcpy_s": round(memcpy_s, 4),
             "memcpy_GB_s": round(4 * params / 1e9 / memcpy_s, 2), "nodes": nodes,
             "hashes_agree": same}  # fmt: skip
 
