@@ -8,6 +8,7 @@ every 0.2 s; the peak of RssAnon, less what an interpreter that imported the sam
 holds before any model (~360 MB, measured here), must stay within the budget per parameter.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def test_anonymous_memory_per_parameter(tmp_path):
     args = real_size.parse(["--dim", "256", "--n_layers", "4", "--join-at", "2",
                             "--joiner-rounds", "1", "--timeout", "300"])  # fmt: skip
     result = real_size.measure(args, tmp_path)
+    print(json.dumps(result, indent=1))  # (the figures, with -s)
     nodes = result["nodes"]
     assert set(nodes) == {"member0", "member1", "joiner"}, nodes
     assert nodes["joiner"].get("joined"), nodes["joiner"]
