@@ -19,6 +19,7 @@ uint8, synthetic data, a checkpoint every 10 steps, 2 kept); once the members co
   all-reduce and sync point (`round_rest_s`: the vote's wait for the others, metrics, ...)
   over rounds that followed no checkpoint; checkpoint blocking: the same median over the
   rounds that followed a checkpoint, less that one;
+- the same passes timed alone in this process, before the job, each over the memcpy;
 - for the joiner: the snapshot's bytes and MB/s, start to first contribution;
 - exit codes and seconds from SIGTERM to exit.
 Writes real_size.json into --out (default: a new temporary folder); exits 1 when a node did
@@ -96,6 +97,37 @@ def interpreter_memory() -> dict[str, int]:
     out = subprocess.run([sys.executable, "-c", BASELINE], capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
     return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def own_passes(numel: int, memcpy_s: float) -> dict[str, float]:
+    """The outer step's own passes timed here, alone (a model of one flat parameter of
+    `numel`; the best of 2), each over the memcpy: pseudo-gradient, Nesterov and the copy
+    into the model, the weight hash, the replay-log entry's packing (of a uint8-decoded
+    tensor, as the all-reduce leaves it)."""
+    import torch
+
+    import prime_comm
+    from prime_train.diloco import update_codec
+    from prime_train.diloco.outer_optimizer import OuterOptimizer
+
+    torch.set_num_threads(1)
+    model = torch.nn.Parameter(torch.randn(numel))
+    opt = OuterOptimizer([model], lr=0.7, momentum=0.9)
+    with torch.no_grad():
+        model.add_(1e-3)
+    update = prime_comm.dequantize(prime_comm.quantize(torch.randn(numel) * 1e-3))
+    parts = {"pseudo_gradient": opt.compute_pseudo_gradient, "nesterov_and_copy": opt.apply,
+             "hash": opt.digest, "entry_pack": lambda: update_codec.pack(update)}  # fmt: skip
+    out = {}
+    for name, f in parts.items():
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - t)
+        out[name] = round(best / memcpy_s, 2)
+    out["total"] = round(sum(out.values()), 2)
+    return out
 
 
 def _tree(pid: int) -> list[int]:
@@ -295,6 +327,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     """Run the job in `work` and gather every figure (module doc)."""
     params = num_params(args.dim, args.n_layers, args.vocab_size)
     memcpy_s, fixed = memcpy_seconds(params), interpreter_memory()
+    alone = own_passes(params, memcpy_s)
     sampler = Sampler()
     sampler.start()
     try:
@@ -322,6 +355,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         }
     same = all(h.get(k) in (None, v) for h in hashes.values() for k, v in hashes["member0"].items())
     return {"params": params, "interpreter": fixed, "memcpy_s": round(memcpy_s, 4),
+            "own_passes_alone_over_memcpy": alone,
             "memcpy_GB_s": round(4 * params / 1e9 / memcpy_s, 2), "nodes": nodes,
             "hashes_agree": same}  # fmt: skip
 

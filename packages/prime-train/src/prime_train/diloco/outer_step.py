@@ -288,17 +288,17 @@ class Diloco:
         if self.replay_log is None:
             return
         rank = self.local_rank
-        entry = Entry(
-            outer_step=report.outer_step,
-            step=report.step if step is None else step,
-            rank=rank,
-            outer_sha256=report.outer_sha256,
-            shard_sha256=self.rounds.last_shards[rank],
-            update=self.fragments.part(report.outer_step - 1).pseudo_gradient,
-            shared=self.shared_state(),
-        )
         with self._own():  # (packed here: counted in the next round's row)
-            self.replay_log.append(entry)
+            entry = Entry(
+                outer_step=report.outer_step,
+                step=report.step if step is None else step,
+                rank=rank,
+                outer_sha256=report.outer_sha256,
+                shard_sha256=self.rounds.last_shards[rank],
+                update=self.fragments.part(report.outer_step - 1).pseudo_gradient,
+                shared=self.shared_state(),
+            ).pack()
+        self.replay_log.append(entry)  # (waits for the last entry's write first)
 
     @contextmanager
     def _own(self) -> Iterator[None]:

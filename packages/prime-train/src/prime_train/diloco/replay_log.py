@@ -73,7 +73,9 @@ class Entry:
 
     def pack(self) -> Entry:
         """This entry with its update packed (`encode` then no longer reads `update`, whose
-        buffer the caller may reuse)."""
+        buffer the caller may reuse); itself when it already is."""
+        if self.packed is not None:
+            return self
         return replace(self, update=torch.empty(0), packed=update_codec.pack(self.update))
 
     def misfit(self, applied: int, numel: int) -> str | None:
