@@ -371,13 +371,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-within-s", type=float, default=25.0, help="train.stop_within_s")
     ap.add_argument("--timeout", type=float, default=1800.0, help="bound on each wait, seconds")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: a temporary one)")
+    ap.add_argument("--work", default=None, help="the nodes' folders (default: a temporary one)")
     ap.add_argument("extra", nargs="*", help="more prime-train settings (after --)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    work = Path(tempfile.mkdtemp(prefix="real_size-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="real_size-"))
+    work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     result = {**measure(args, work), "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(result, indent=2))

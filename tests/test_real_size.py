@@ -19,20 +19,38 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import real_size  # noqa: E402
 
-# anonymous bytes per parameter at the peak, the interpreter's fixed part subtracted: fp32
-# weights 4, AdamW 8, outer weights 4, outer momentum 4, the pseudo-gradient 4, the committed
-# record's copy of AdamW's moments 8 = 32, plus the backward's gradients 4 and scratch
-# (packages/prime-train/README.md, "Host memory per parameter")
-MEMBER_ANON = 44.0
-JOINER_ANON = 56.0  # (while it listens it also holds a copy of the members' average)
+# anonymous bytes per parameter at the peak, the interpreter's fixed part subtracted. What a
+# member holds (packages/prime-train/README.md, "Costs per parameter"): fp32 weights 4, AdamW
+# 8, outer weights 4, outer momentum 4, the pseudo-gradient 4, the committed record's copy of
+# AdamW's moments 8 = 32, the backward's gradients 4, scratch: 42.6-44.3 measured. Issue 35's
+# goal, 32 with everything, needs the last two copies gone: not there yet.
+MEMBER_ANON = 48.0
+JOINER_ANON = 60.0  # 54.2 measured (its listening and loading paths hold more)
+
+
+README_ARGS = ["--dim", "256", "--n_layers", "4", "--join-at", "2", "--joiner-rounds", "1"]
 
 
 @pytest.mark.slow
 def test_anonymous_memory_per_parameter(tmp_path):
-    args = real_size.parse(["--dim", "256", "--n_layers", "4", "--join-at", "2",
-                            "--joiner-rounds", "1", "--timeout", "300"])  # fmt: skip
-    result = real_size.measure(args, tmp_path)
-    print(json.dumps(result, indent=1))  # (the figures, with -s)
+    """packages/prime-train/README.md's `benchmarks/real_size.py --dim 256 ...` as written."""
+    readme = (ROOT / "packages" / "prime-train" / "README.md").read_text()
+    assert f"benchmarks/real_size.py {' '.join(README_ARGS)}" in readme
+    assert (
+        real_size.main(
+            [
+                *README_ARGS,
+                "--timeout",
+                "300",
+                "--out",
+                str(tmp_path),
+                "--work",
+                str(tmp_path / "work"),
+            ]
+        )
+        == 0
+    )
+    result = json.loads((tmp_path / "real_size.json").read_text())
     nodes = result["nodes"]
     assert set(nodes) == {"member0", "member1", "joiner"}, nodes
     assert nodes["joiner"].get("joined"), nodes["joiner"]
