@@ -30,15 +30,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def snapshot_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """A copy, in host memory, of the optimizer's per-parameter state (this rank's shards)."""
-    return {
-        name: {
-            k: _local(v).detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-            for k, v in state.items()
-        }  # fmt: skip
-        for name, state in optimizer_state(model, opt).items()
-    }
+@torch.no_grad()
+def snapshot_optimizer(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    into: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """A copy, in host memory, of the optimizer's per-parameter state (this rank's shards).
+    `into`: an earlier snapshot whose tensors are overwritten in place where they fit (no
+    second copy of the moments while the new one is taken)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, state in optimizer_state(model, opt).items():
+        old = (into or {}).get(name, {})
+        out[name] = {k: _copy_into(old.get(k), v) for k, v in state.items()}
+    return out
+
+
+def _copy_into(old: Any, v: Any) -> Any:
+    """A host copy of `v`, written into `old` when it is a tensor of the same kind."""
+    if not torch.is_tensor(v):
+        return v
+    v = _local(v).detach()
+    if torch.is_tensor(old) and old.shape == v.shape and old.dtype == v.dtype:
+        return old.copy_(v)
+    return v.to("cpu", copy=True)
 
 
 @torch.no_grad()

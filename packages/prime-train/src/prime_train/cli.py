@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prime_train.config_load import describe_fields, load_config
 from prime_train.errors import ConfigError
+from prime_train.host_memory import return_freed_memory
 
 
 def _fail(msg: str) -> int:
@@ -90,6 +91,7 @@ def _export(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    return_freed_memory()  # before the model's first allocation
     if argv[:1] == ["plot"]:
         return _plot(argv[1:])
     if argv[:1] == ["export"]:

@@ -98,10 +98,18 @@ def average_pseudo_gradient(
     mesh.record_collective(time.monotonic() - t)
     if 0 < contributors < world:  # the average over the nodes that contributed
         pseudo_gradient.mul_(world / contributors)
-    if not bool(torch.isfinite(pseudo_gradient).all()):
+    if not _finite(pseudo_gradient):
         error = "averaged pseudo-gradient is not finite"
         return Averaged(stats, error, contributors, late, mismatch, consumed, behind, members_step)
     return Averaged(stats, None, contributors, late, mismatch, consumed, behind, members_step)
+
+
+def _finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """Whether every element is finite, a chunk at a time (no mask as long as the model)."""
+    flat = t.view(-1)
+    return all(
+        bool(torch.isfinite(flat[a : a + chunk]).all()) for a in range(0, flat.numel(), chunk)
+    )
 
 
 def _weigh(

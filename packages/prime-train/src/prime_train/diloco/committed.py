@@ -47,9 +47,16 @@ class CommittedState:
     model: list[torch.Tensor] | None = None  # with fragments: the model's weights (host)
 
     @classmethod
-    def take(cls, run: Run, step: int, report: OuterStepReport | None = None) -> CommittedState:
+    def take(
+        cls,
+        run: Run,
+        step: int,
+        report: OuterStepReport | None = None,
+        reuse: CommittedState | None = None,
+    ) -> CommittedState:
         """The state at inner step `step`, a boundary just committed (`report`: its outer
-        step's report, when the step makes one)."""
+        step's report, when the step makes one); `reuse`: the record it replaces, whose host
+        copies are overwritten in place (one copy of the moments in memory, not two)."""
         return cls(
             step=step,
             outer_step=report.outer_step if report else None,
@@ -57,12 +64,8 @@ class CommittedState:
             data=dict(run.loader.state_dict()),
             progress=dict(run.progress),
             rng=torch.get_rng_state(),
-            optimizer=snapshot_optimizer(run.model, run.opt),
-            model=(
-                [local_tensor(p).detach().to("cpu", copy=True) for p in run.params]
-                if run.cfg.diloco.fragments > 1
-                else None
-            ),
+            optimizer=snapshot_optimizer(run.model, run.opt, reuse.optimizer if reuse else None),
+            model=_model_copy(run, reuse.model if reuse else None),
         )
 
     def checkpoint(self, run: Run, outer: ElasticOuterStep) -> None:
@@ -83,3 +86,14 @@ class CommittedState:
         torch.set_rng_state(self.rng)
         run.checkpoint(self.step, outer)
         run.ckpt.wait_durable()
+
+
+@torch.no_grad()
+def _model_copy(run: Run, old: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """With fragments, a host copy of the model's weights (into `old` when it fits)."""
+    if run.cfg.diloco.fragments <= 1:
+        return None
+    live = [local_tensor(p).detach() for p in run.params]
+    if old is not None and [t.shape for t in old] == [t.shape for t in live]:
+        return [o.copy_(t) for o, t in zip(old, live, strict=True)]
+    return [t.to("cpu", copy=True) for t in live]

@@ -32,8 +32,8 @@ model, chosen by the committed count (`diloco/fragments.py`, `part`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,6 +118,8 @@ class Diloco:
         self.listener: Any = None  # the listener while this joiner listens
         self.listen_first = False  # admitted before its snapshot came: it listens at once
         self.admitted_now = False  # this member's last round admitted a node (checkpoint)
+        # the node's own passes over the model since the last row (the rows' `outer_own_s`)
+        self.own_seconds = 0.0
         if mesh.state == "member":  # a joiner is not admitted before its first step
             self.rounds.last_epoch = mesh.epoch
             self.rounds.nodes_now = mesh.global_world_size
@@ -150,7 +152,8 @@ class Diloco:
         if self._started is not None:
             raise RuntimeError("the previous outer step was started but not finished")
         self._started = (step, time.monotonic())
-        self.part.compute_pseudo_gradient()
+        with self._own():
+            self.part.compute_pseudo_gradient()
 
     def finish(self) -> OuterStepReport:
         """Average over the live nodes, agree, apply (retrying on failure); report it."""
@@ -182,7 +185,8 @@ class Diloco:
             for attempt in range(1, self.max_retries + 2):
                 part = sync_part(self)  # (a listener's: the members' fragment)
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
-                    part.compute_pseudo_gradient()
+                    with self._own():
+                        part.compute_pseudo_gradient()
                 if not contributing:
                     part.pseudo_gradient.zero_()
                 before = members_before(self.mesh)
@@ -204,13 +208,15 @@ class Diloco:
                         return None  # a round it only listened to
                     step = settled
                     fragment = self.fragments.index(self.outer_steps)  # (before it counts)
-                    self.part.apply()
+                    with self._own():
+                        self.part.apply()
                     extra = self._commit_data(got.consumed, self.mesh.installed_group[1])
                     seconds = time.monotonic() - t0
                     cost = join_cost(self.mesh, before, sync_seconds)
                     self.admitted_now = bool(cost)  # (its snapshot: checkpoint this round)
                     extra = {**(extra or {}), **self.feedback.metrics(), **cost,
                              "sync_seconds": round(sync_seconds, 3),  # (waiting for the others)
+                             "outer_own_s": self.own_seconds,
                              **({"fragment": fragment} if self.fragments.count > 1 else {}),
                              **round_counts(self.round_inner_steps, self.data, got.consumed,
                                             reads if contributing and got.late is None
@@ -219,6 +225,7 @@ class Diloco:
                         self.mesh, step, attempt, seconds, got.stats, got.contributors,
                         extra=extra,
                     )  # fmt: skip
+                    self.own_seconds = 0.0
                     self.log_update(report)
                     return report
                 errors.append(got.error or "a peer failed")
@@ -281,8 +288,8 @@ class Diloco:
         if self.replay_log is None:
             return
         rank = self.local_rank
-        self.replay_log.append(
-            Entry(
+        with self._own():  # (packed here: counted in the next round's row)
+            entry = Entry(
                 outer_step=report.outer_step,
                 step=report.step if step is None else step,
                 rank=rank,
@@ -290,8 +297,17 @@ class Diloco:
                 shard_sha256=self.rounds.last_shards[rank],
                 update=self.fragments.part(report.outer_step - 1).pseudo_gradient,
                 shared=self.shared_state(),
-            )
-        )
+            ).pack()
+        self.replay_log.append(entry)  # (waits for the last entry's write first)
+
+    @contextmanager
+    def _own(self) -> Iterator[None]:
+        """Count the block's seconds as the outer step's own work (`outer_own_s`)."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.own_seconds += time.perf_counter() - t
 
     @property
     def outer_steps(self) -> int:

@@ -29,7 +29,7 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,14 @@ class Entry:
     shard_sha256: str  # this rank's shard's hash after it
     update: torch.Tensor  # float32, flat: what `apply` took
     shared: dict[str, Any] = field(default_factory=dict)
+    packed: dict[str, Any] | None = None  # `update_codec.pack(update)`, once taken
+
+    def pack(self) -> Entry:
+        """This entry with its update packed (`encode` then no longer reads `update`, whose
+        buffer the caller may reuse); itself when it already is."""
+        if self.packed is not None:
+            return self
+        return replace(self, update=torch.empty(0), packed=update_codec.pack(self.update))
 
     def misfit(self, applied: int, numel: int) -> str | None:
         """Why this entry cannot be replayed onto a shard of `numel` elements that has
@@ -83,6 +91,11 @@ class Entry:
         return None
 
     def encode(self) -> bytes:
+        return b"".join(self.parts())
+
+    def parts(self) -> tuple[bytes, bytes]:
+        """The encoding's header (magic and checksum) and body, to write one after the other
+        (no copy of the body to join them)."""
         body = msgpack.packb(
             {
                 "outer_step": self.outer_step,
@@ -90,12 +103,12 @@ class Entry:
                 "rank": self.rank,
                 "outer_sha256": self.outer_sha256,
                 "shard_sha256": self.shard_sha256,
-                "update": update_codec.pack(self.update),
+                "update": self.packed or update_codec.pack(self.update),
                 "shared": self.shared,
             },
             use_bin_type=True,
         )
-        return _MAGIC + hashlib.sha256(body).digest() + body
+        return _MAGIC + hashlib.sha256(body).digest(), body
 
     @classmethod
     def decode(cls, data: bytes) -> Entry:
@@ -141,12 +154,13 @@ class ReplayLog:
         self._lock = threading.Lock()
 
     def append(self, entry: Entry) -> None:
-        """Write `entry` (its update is copied first: the caller's buffer is reused)."""
+        """Write `entry`: its update is packed here (about a byte per element; the caller's
+        buffer is reused after), the file written in the background."""
         if self.keep <= 0:
             return
-        entry.update = entry.update.detach().to("cpu", copy=True)
+        packed = entry.pack()
         self.wait()
-        self._last = self._pool.submit(self._write, entry)
+        self._last = self._pool.submit(self._write, packed)
 
     def wait(self) -> None:
         """Until the last entry is written (a failure is only this log's: training goes on,
@@ -162,7 +176,10 @@ class ReplayLog:
     def _write(self, entry: Entry) -> None:
         name = entry_name(entry.outer_step, self.rank)
         tmp = self.folder / f".{name}.tmp"
-        tmp.write_bytes(entry.encode())
+        head, body = entry.parts()
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.write(body)
         tmp.rename(self.folder / name)
         self._prune(entry.outer_step)
 

@@ -174,7 +174,10 @@ class RoundLog:
     ) -> OuterStepReport:
         """Count, log and write one applied outer step (`extra`: more keys for its row)."""
         epoch, members = mesh.installed_group  # (an eviction noticed since the vote: still ours)
+        t_hash = time.perf_counter()
         shards, node_bytes = self.node_figures(stats.bytes_sent if stats else 0)
+        if extra is not None and "outer_own_s" in extra:  # the hash is the step's own work too
+            extra["outer_own_s"] = round(extra["outer_own_s"] + time.perf_counter() - t_hash, 4)
         self.last_shards = shards
         compute, wall = self.end_round()
         t = self.totals

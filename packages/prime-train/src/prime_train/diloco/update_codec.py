@@ -3,8 +3,9 @@ all-reduce, the exact float32 bits back.
 
 The all-reduce's result is decoded from blockwise codebooks (prime_comm: 2^bits values per
 block of 65536 elements), so a run of elements takes few distinct values. The flat tensor is
-cut into rows of `ROW` elements; each row stores its distinct 32-bit patterns once (sorted by
-bit pattern, so -0.0 and 0.0 stay apart) and, per element, the index of its value: one byte
+cut into rows of `ROW` elements; each row stores its distinct 32-bit patterns once (in order
+of first appearance; bit patterns, so -0.0 and 0.0 stay apart) and, per element, the index of
+its value: one byte
 when the row has at most 256 distinct values, two otherwise (a row never has more than
 `ROW` <= 65536). Any float32 tensor round-trips bit for bit; one without few values per row
 (compression = "none") costs up to 6 bytes per element instead of 4, so it is stored raw.
@@ -12,49 +13,61 @@ when the row has at most 256 distinct values, two otherwise (a row never has mor
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 ROW = 16384  # elements per row: a quarter of prime_comm's block, most rows lie in one block
-SLAB = 256  # rows sorted at once (bounds the temporary memory to ~12 bytes x SLAB x ROW)
 
 
-def pack(x: torch.Tensor) -> dict[str, bytes | int]:
-    """The msgpack-able packing of flat float32 `x` (see module doc)."""
+def pack(x: torch.Tensor) -> dict[str, bytes | memoryview | int]:
+    """The msgpack-able packing of flat float32 `x` (see module doc), read from `x` row by
+    row: no copy of it, each row's values found by hashing (pyarrow's `dictionary_encode`,
+    one pass, where a sort took ~14) and its indices written straight into one byte per
+    element (the bytes fields may be memoryviews, which msgpack writes as bin)."""
     x = x.detach().to("cpu").contiguous().view(-1)
     n = x.numel()
-    raw = {"kind": "raw", "numel": n, "data": x.numpy().tobytes()}
     if n == 0:
-        return raw
+        return _raw(x)
     rows = -(-n // ROW)
-    bits = torch.zeros(rows * ROW, dtype=torch.int32)
-    bits[:n] = x.view(torch.int32)  # the padding's zeros are one more value in the last row
-    bits = bits.view(rows, ROW)
-    counts, uniques, idx8, idx16 = [], [], [], []
-    for r0 in range(0, rows, SLAB):
-        s, perm = bits[r0 : r0 + SLAB].sort(dim=1)
-        new = torch.ones_like(s, dtype=torch.bool)
-        new[:, 1:] = s[:, 1:] != s[:, :-1]
-        rank = new.cumsum(1, dtype=torch.int32) - 1
-        idx = torch.empty_like(rank).scatter_(1, perm, rank)
-        c = rank[:, -1] + 1
-        counts.append(c)
-        uniques.append(s[new])  # row-major: each row's values in turn
-        small = c <= 256
-        idx8.append(idx[small].to(torch.uint8).view(-1))
-        idx16.append(idx[~small].to(torch.int16).view(-1))  # < 65536: the int16 bits hold it
-    count = torch.cat(counts)
-    u, i8, i16 = torch.cat(uniques), torch.cat(idx8), torch.cat(idx16)
-    size = 4 * count.numel() + 4 * u.numel() + i8.numel() + 2 * i16.numel()
+    bits = x.view(torch.int32).numpy()
+    idx8 = np.empty(rows * ROW, dtype=np.uint8)  # the small rows' indices, in order
+    counts = np.empty(rows, dtype=np.int32)
+    uniques, idx16, filled = [], [], 0
+    for r in range(rows):
+        row = bits[r * ROW : (r + 1) * ROW]
+        if row.size < ROW:  # the last row: padded with zeros, one more value in it
+            row = np.concatenate([row, np.zeros(ROW - row.size, dtype=np.int32)])
+        encoded = pc.dictionary_encode(pa.array(row))
+        values = encoded.dictionary.to_numpy(zero_copy_only=False)
+        index = encoded.indices.to_numpy(zero_copy_only=False)
+        counts[r] = values.size
+        uniques.append(values)  # (in order of first appearance: any order round-trips)
+        if values.size <= 256:
+            idx8[filled : filled + ROW] = index
+            filled += ROW
+        else:  # < 65536: the int16 bits hold it
+            idx16.append(index.astype(np.int16))
+    u = np.concatenate(uniques)
+    i16 = np.concatenate(idx16) if idx16 else np.zeros(0, dtype=np.int16)
+    size = 4 * rows + 4 * u.size + filled + 2 * i16.size
     if size >= 4 * n:
-        return raw
+        return _raw(x)
     return {
         "kind": "rows",
         "numel": n,
-        "counts": count.numpy().tobytes(),
-        "uniques": u.numpy().tobytes(),
-        "idx8": i8.numpy().tobytes(),
-        "idx16": i16.numpy().tobytes(),
+        "counts": counts.tobytes(),
+        "uniques": u.astype(np.int32).tobytes(),
+        "idx8": memoryview(idx8[:filled]),
+        "idx16": i16.tobytes(),
     }
+
+
+def _raw(x: torch.Tensor) -> dict[str, bytes | memoryview | int]:
+    """The raw packing: the float32 bytes themselves (a view of `x`: pack it before `x`
+    changes)."""
+    return {"kind": "raw", "numel": x.numel(), "data": memoryview(x.numpy()).cast("B")}
 
 
 def unpack(d: dict) -> torch.Tensor:
