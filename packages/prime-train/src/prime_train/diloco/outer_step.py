@@ -42,6 +42,7 @@ import torch.distributed as dist
 from prime_train import faults
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
+from prime_train.diloco.contribution import usable
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
 from prime_train.diloco.late_joiner import JoinedLate, settle_late, sync_count, sync_part
@@ -183,6 +184,10 @@ class Diloco:
                 part = sync_part(self)  # (a listener's: the members' fragment)
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
                     part.compute_pseudo_gradient()
+                if contributing and not usable(  # (bad numbers: left out, not fatal)
+                    part.pseudo_gradient, self.outer_steps + 1, self.log
+                ):
+                    contributing = False  # (its model takes the committed weights at apply)
                 if not contributing:
                     part.pseudo_gradient.zero_()
                 before = members_before(self.mesh)
