@@ -203,3 +203,16 @@ def test_a_member_with_other_outer_weights_is_told_and_evicted():
         m.sync(node, 0, conn, 4, {"epoch": m.epoch, "admit": True})
         m.vote(node, 0, conn, 5, {"epoch": m.epoch, "seq": 0, "ok": True, "outer": [4, "h1"]})
     assert [_replies(conn, 5)[0]["result"] for _, conn in nodes[:2]] == [True, True]
+
+
+def test_a_ballot_without_outer_state_is_not_compared():
+    """A member that did not contribute (a joiner whose state may lag until it caught up)
+    votes without its outer state: the others' agreement alone decides."""
+    m = Membership(min_nodes=3)
+    nodes = [_register(m, k) for k in "abc"]
+    _sync_all(m, nodes)
+    for (node, conn), outer in zip(nodes, [[4, "h1"], [4, "h1"], None], strict=True):
+        msg = {"epoch": m.epoch, "seq": 0, "ok": True, **({"outer": outer} if outer else {})}
+        m.vote(node, 0, conn, 3, msg)
+    assert [_replies(conn, 3)[0]["result"] for _, conn in nodes] == [True, True, True]
+    assert states_by_key(m) == {"a": "member", "b": "member", "c": "member"}

@@ -264,7 +264,7 @@ class ElasticDeviceMesh(MeshViews):
         self._check()
         return self._epoch is not None and self._session.newer_than(self._epoch.number)
 
-    def should_commit(self, ok: bool) -> bool:
+    def should_commit(self, ok: bool, contributed: bool = True) -> bool:
         """Vote at the end of a sync step: True only if every member of the epoch reported ok.
 
         Every member must call it the same number of times per epoch. A False vote (or a
@@ -272,8 +272,9 @@ class ElasticDeviceMesh(MeshViews):
         maybe_reinit_global_pg() builds a fresh one. A member that arrived at its last sync
         point `listening` is not waited for: its late ballot gets the result decided without
         it (True even when its own collective failed: it must not use that round). The
-        ballot carries the outer state told by `note_outer_step`: a member whose state differs
-        from the majority's makes the vote False and is evicted, told why.
+        ballot carries the outer state told by `note_outer_step` when `contributed` (this
+        member sent work of its own; a joiner's state may lag until it caught up): a member
+        whose state differs from the majority's makes the vote False and is evicted, told why.
         """
         try:
             self._check()  # the coordinator may be lost since the sync point (overlapped round)
@@ -288,7 +289,7 @@ class ElasticDeviceMesh(MeshViews):
                     "seq": self._vote_seq,
                     "ok": bool(ok),
                     # the coordinator compares the members' (see `note_outer_step`)
-                    **({"outer": list(self._outer)} if self._outer[1] else {}),
+                    **({"outer": list(self._outer)} if contributed and self._outer[1] else {}),
                 },
                 timeout=self.request_bound,
                 what="the coordinator to answer the commit vote",

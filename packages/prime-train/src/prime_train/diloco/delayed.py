@@ -179,7 +179,7 @@ class DelayedDiloco(Diloco):
             faults.hold_outer_round(rnd["step"], self.log)
             with listener.collective() if listener is not None else nullcontext():
                 got = self.average(regrouped, contributing, reads, step=int(rnd["step"]))
-            committed = self.vote(got)  # a committed round's residual is kept at once
+            committed = self.vote(got, contributing)  # a committed round's residual is kept at once
             epoch, members = mesh.installed_group  # (never raises for a later eviction)
             cost = join_cost(mesh, before, sync_seconds)  # (a round that admitted a node)
             rnd.update(
