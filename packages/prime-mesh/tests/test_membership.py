@@ -137,3 +137,82 @@ def test_a_listeners_ballot_is_not_waited_for():
     assert not _replies(ca, 6) and not _replies(cb, 6)
     m.vote(c, 0, cc, 6, {"epoch": m.epoch, "seq": 2, "ok": True})
     assert [_replies(k, 6)[0]["result"] for k in (ca, cb, cc)] == [True, True, True]
+
+
+def _listening_round(m: Membership, nodes, listener) -> None:
+    """Every node of `nodes` arrives at the sync point; `listener` (one of them) listening."""
+    for node, conn in nodes:
+        m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "listening": node is listener})
+
+
+def test_a_late_ballot_gets_the_decided_result_across_an_epoch_change():
+    """The members decide a vote without the listener's ballot, then one of them leaves (a new
+    epoch) before that ballot arrives: it is still told what they decided, not False."""
+    m = Membership(min_nodes=3)
+    (a, ca), (b, cb), (c, cc) = _register(m, "a"), _register(m, "b"), _register(m, "c")
+    _listening_round(m, [(a, ca), (b, cb), (c, cc)], c)
+    voted_in = m.epoch
+    m.vote(a, 0, ca, 3, {"epoch": voted_in, "seq": 0, "ok": True})
+    m.vote(b, 0, cb, 3, {"epoch": voted_in, "seq": 0, "ok": True})
+    assert _replies(ca, 3)[0]["result"] is True
+    m.leave(b, completed=False)
+    assert m.epoch == voted_in + 1
+    m.vote(c, 0, cc, 3, {"epoch": voted_in, "seq": 0, "ok": True})
+    assert _replies(cc, 3)[0]["result"] is True, "told what the members committed"
+    # a vote of the old epoch still in flight is answered False at the epoch change
+    m.vote(a, 0, ca, 4, {"epoch": m.epoch - 1, "seq": 1, "ok": True})
+    assert _replies(ca, 4)[0]["result"] is False
+
+
+def test_a_listener_stays_one_across_an_epoch_change():
+    """A member leaving does not make the others wait for the listener's ballot again."""
+    m = Membership(min_nodes=3)
+    (a, ca), (b, cb), (c, cc) = _register(m, "a"), _register(m, "b"), _register(m, "c")
+    _listening_round(m, [(a, ca), (b, cb), (c, cc)], c)
+    m.leave(b, completed=False)
+    for node, conn in ((a, ca), (c, cc)):  # "c" is fresh: its retry comes a round early
+        m.sync(node, 0, conn, 5, {"epoch": m.epoch, "admit": True})
+    m.vote(a, 0, ca, 6, {"epoch": m.epoch, "seq": 0, "ok": True})
+    assert not _replies(ca, 6), "c arrived contributing: its ballot is awaited"
+
+    m2 = Membership(min_nodes=3)
+    (a, ca), (b, cb), (c, cc) = _register(m2, "a"), _register(m2, "b"), _register(m2, "c")
+    _listening_round(m2, [(a, ca), (b, cb), (c, cc)], c)
+    m2.leave(b, completed=False)
+    m2.sync(a, 0, ca, 5, {"epoch": m2.epoch, "admit": True})  # the listener has not come yet
+    m2.vote(a, 0, ca, 6, {"epoch": m2.epoch, "seq": 0, "ok": True})
+    assert _replies(ca, 6)[0]["result"] is True, "the listener's ballot is not awaited"
+
+
+def test_a_member_with_other_outer_weights_is_told_and_evicted():
+    """Each ballot carries the node's outer step and weight hash: the majority's wins, the
+    vote is False so the others retry without the odd one, which is evicted, told why."""
+    m = Membership(min_nodes=3)
+    nodes = [_register(m, k) for k in "abc"]
+    _sync_all(m, nodes)
+    epoch = m.epoch
+    for (node, conn), digest in zip(nodes, ["h1", "h1", "h2"], strict=True):
+        m.vote(node, 0, conn, 3, {"epoch": epoch, "seq": 0, "ok": True, "outer": [4, digest]})
+    assert [_replies(conn, 3)[0]["result"] for _, conn in nodes] == [False, False, False]
+    evicted = [msg for msg in nodes[2][1].sent if msg.get("type") == "evicted"]
+    assert evicted and "outer step 4 with hash h2" in evicted[0]["reason"]
+    assert "2 of 3 contributing ranks hold outer step 4 with hash h1" in evicted[0]["reason"]
+    assert m.epoch == epoch + 1 and states_by_key(m) == {"a": "member", "b": "member"}
+    # the two left agree: their retry commits
+    for node, conn in nodes[:2]:
+        m.sync(node, 0, conn, 4, {"epoch": m.epoch, "admit": True})
+        m.vote(node, 0, conn, 5, {"epoch": m.epoch, "seq": 0, "ok": True, "outer": [4, "h1"]})
+    assert [_replies(conn, 5)[0]["result"] for _, conn in nodes[:2]] == [True, True]
+
+
+def test_a_ballot_without_outer_state_is_not_compared():
+    """A member that did not contribute (a joiner whose state may lag until it caught up)
+    votes without its outer state: the others' agreement alone decides."""
+    m = Membership(min_nodes=3)
+    nodes = [_register(m, k) for k in "abc"]
+    _sync_all(m, nodes)
+    for (node, conn), outer in zip(nodes, [[4, "h1"], [4, "h1"], None], strict=True):
+        msg = {"epoch": m.epoch, "seq": 0, "ok": True, **({"outer": outer} if outer else {})}
+        m.vote(node, 0, conn, 3, msg)
+    assert [_replies(conn, 3)[0]["result"] for _, conn in nodes] == [True, True, True]
+    assert states_by_key(m) == {"a": "member", "b": "member", "c": "member"}

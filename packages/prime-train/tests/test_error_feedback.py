@@ -22,9 +22,9 @@ class ScriptedMesh(WorldMesh):
         self.outer_ref = outer_ref
         self.residual_at_vote: list[torch.Tensor] = []
 
-    def should_commit(self, ok: bool) -> bool:
+    def should_commit(self, ok: bool, contributed: bool = True) -> bool:
         self.residual_at_vote.append(self.outer_ref[0].feedback.residual.clone())
-        return super().should_commit(ok)
+        return super().should_commit(ok, contributed)
 
 
 def _mean(t: torch.Tensor) -> torch.Tensor:

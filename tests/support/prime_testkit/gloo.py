@@ -65,7 +65,7 @@ class WorldMesh:
     def maybe_reinit_global_pg(self, listening: bool = False) -> bool:
         return self.regroup
 
-    def should_commit(self, ok: bool) -> bool:
+    def should_commit(self, ok: bool, contributed: bool = True) -> bool:
         return ok and (self.votes.pop(0) if self.votes else True)
 
     def round_bound(self) -> float:

@@ -41,10 +41,13 @@ from prime_mesh.reform import (
     resume_of,
 )
 from prime_mesh.registration import check_fits_run, parse_registration
-from prime_mesh.round_requests import RoundRequests, Slot, reply
+from prime_mesh.round_requests import Ballot, RoundRequests, Slot, outer_of, reply
 
 log = logging.getLogger("prime_mesh.coordinator")
 _HELD: Slot = ("", -1)  # a slot no node sends: a vote waits while departures are batched
+
+# the start of the eviction reason of a member whose outer weights differ from the others'
+DIVERGED = "outer weights differ from the other members'"
 
 
 class Membership(MembershipViews):
@@ -183,12 +186,32 @@ class Membership(MembershipViews):
         self._check_barrier()
 
     def vote(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
-        if not node.member or msg.get("epoch") != self.epoch:
+        """A ballot (`msg`: epoch, seq, ok, outer). A ballot of a vote already decided gets
+        its result, even once a later epoch began; a member whose outer state differs from
+        the majority's is evicted, told why (see `prime_mesh.round_requests`)."""
+        epoch, seq = msg.get("epoch"), int(msg.get("seq", 0))
+        decided = self.pending.decided.get((epoch, seq)) if isinstance(epoch, int) else None
+        if decided is not None:
+            conn.send(reply(req, result=decided))
+            return
+        if not node.member or epoch != self.epoch:
             conn.send(reply(req, result=False, reason="the epoch changed"))
             return
-        seq, ok = int(msg.get("seq", 0)), bool(msg.get("ok"))
         required = self._required() | {_HELD} if self._departing else self._required()
-        self.pending.vote(seq, (node.key, lr), conn, req, ok, required, self.clock())
+        ballot = Ballot(conn, req, bool(msg.get("ok")), outer_of(msg))
+        odd = self.pending.vote(
+            self.epoch, seq, (node.key, lr), ballot, required, self.members, self.clock()
+        )
+        for key in dict.fromkeys(o.slot[0] for o in odd):  # (once per node)
+            o = next(o for o in odd if o.slot[0] == key)
+            (step, mine), (theirs_step, theirs) = o.outer, o.majority
+            self.evict(
+                self.nodes[key],
+                f"{DIVERGED} at the vote on outer step {theirs_step + 1}: this node holds "
+                f"outer step {step} with hash {mine[:16]}, {o.agreeing} of {o.voting} "
+                f"contributing ranks hold outer step {theirs_step} with hash {theirs[:16]}; "
+                "it rejoins through live recovery",
+            )
 
     def evict(self, node: Node, reason: str) -> None:
         """Evict `node`: a joiner at once, a member with the batch of departures (see
@@ -323,7 +346,7 @@ class Membership(MembershipViews):
             why,
         )
         # Everyone waiting at the old barrier or in an old vote is answered now.
-        self.pending.new_epoch(info)
+        self.pending.new_epoch(info, self._required())
         for key in members:
             for conn in self.nodes[key].conns.values():
                 conn.send({"type": "epoch", "epoch": info})

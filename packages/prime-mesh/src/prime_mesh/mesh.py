@@ -196,7 +196,8 @@ class ElasticDeviceMesh(MeshViews):
     def note_outer_step(self, outer_step: int, outer_hash: str) -> None:
         """Tell the mesh the run's last committed outer step and the hash of its outer weights
         (the same on every node): a restarted coordinator re-forms the run from the nodes
-        that agree on the newest (see `prime_mesh.reform`)."""
+        that agree on the newest (see `prime_mesh.reform`), and each commit vote checks that
+        the contributing members agree on it (see `should_commit`)."""
         if not (isinstance(outer_step, int) and outer_step >= 0 and isinstance(outer_hash, str)):
             raise ValueError(
                 f"need an outer step >= 0 and a hash, got {outer_step!r}, {outer_hash!r}"
@@ -263,14 +264,17 @@ class ElasticDeviceMesh(MeshViews):
         self._check()
         return self._epoch is not None and self._session.newer_than(self._epoch.number)
 
-    def should_commit(self, ok: bool) -> bool:
+    def should_commit(self, ok: bool, contributed: bool = True) -> bool:
         """Vote at the end of a sync step: True only if every member of the epoch reported ok.
 
         Every member must call it the same number of times per epoch. A False vote (or a
         changed epoch) makes the result False for all, and marks the group suspect so the next
         maybe_reinit_global_pg() builds a fresh one. A member that arrived at its last sync
         point `listening` is not waited for: its late ballot gets the result decided without
-        it (True even when its own collective failed: it must not use that round).
+        it (True even when its own collective failed: it must not use that round). The
+        ballot carries the outer state told by `note_outer_step` when `contributed` (this
+        member sent work of its own; a joiner's state may lag until it caught up): a member
+        whose state differs from the majority's makes the vote False and is evicted, told why.
         """
         try:
             self._check()  # the coordinator may be lost since the sync point (overlapped round)
@@ -284,6 +288,8 @@ class ElasticDeviceMesh(MeshViews):
                     "epoch": self._epoch.number,
                     "seq": self._vote_seq,
                     "ok": bool(ok),
+                    # the coordinator compares the members' (see `note_outer_step`)
+                    **({"outer": list(self._outer)} if contributed and self._outer[1] else {}),
                 },
                 timeout=self.request_bound,
                 what="the coordinator to answer the commit vote",

@@ -8,18 +8,86 @@ ok), and everything held is answered when a new epoch starts. A slot that arrive
 sync point `listening` (a joiner that brings nothing yet) is not waited for in a vote: on a
 slow link its collective ends after the others', and they must not wait for its transfer; its
 ballot counts if it came in time, and a late one is answered with the result decided without
-it. Pure logic, no sockets: answers go out through `Conn.send` (which queues).
+it, even once a later epoch began (a member left meanwhile): every ballot of a decided vote
+gets the decided result. A listener stays one across epoch changes until it arrives
+contributing.
+
+Each ballot may carry the node's outer step and outer weight hash before the round (`outer`);
+a vote also checks that the contributing ballots agree on it: the majority's wins (on a tie,
+the group holding the earliest member), and a vote with an odd one out is False for all, so
+the others retry without it (`RoundRequests.vote` returns who differs; see
+`prime_mesh.membership`). Pure logic, no sockets: answers go out through `Conn.send` (which
+queues).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prime_mesh.barrier import SyncWaits
 from prime_mesh.node import Conn
 
 Slot = tuple[str, int]  # who sent a request: (node key, local rank)
-DECIDED_KEPT = 8  # votes whose result a listener's late ballot can still be told
+Outer = tuple[int, str]  # a node's outer step count and outer weight hash
+DECIDED_KEPT = 16  # votes whose result a listener's late ballot can still be told
+
+
+@dataclass
+class Ballot:
+    """One local rank's ballot in a vote in flight."""
+
+    conn: Conn
+    req: int
+    ok: bool
+    outer: Outer | None  # None: it did not say (a listener, or an older client)
+
+
+@dataclass(frozen=True)
+class Odd:
+    """A ballot whose outer state differs from the majority's."""
+
+    slot: Slot
+    outer: Outer
+    majority: Outer
+    agreeing: int  # how many contributing ballots hold the majority's
+    voting: int  # how many contributing ballots said
+
+
+def outer_of(msg: dict) -> Outer | None:
+    """The `outer` [step, hash] a ballot carries, or None."""
+    raw = msg.get("outer")
+    if (
+        isinstance(raw, (list, tuple))
+        and len(raw) == 2
+        and isinstance(raw[0], int)
+        and isinstance(raw[1], str)
+    ):
+        return raw[0], raw[1]
+    return None
+
+
+def odd_ones(ballots: dict[Slot, Ballot], skip: set[Slot], order: list[str]) -> list[Odd]:
+    """The ballots (but those in `skip`) whose outer state differs from the majority's; a
+    tie goes to the group holding the node earliest in `order` (the longest-standing)."""
+    said = {s: b.outer for s, b in ballots.items() if s not in skip and b.outer is not None}
+    if len(set(said.values())) < 2:
+        return []
+    groups: dict[Outer, list[Slot]] = {}
+    for slot, outer in said.items():
+        groups.setdefault(outer, []).append(slot)
+
+    def rank(outer: Outer) -> tuple[int, int]:
+        first = min(order.index(k) if k in order else len(order) for k, _ in groups[outer])
+        return len(groups[outer]), -first
+
+    majority = max(groups, key=rank)
+    agreeing = len(groups[majority])
+    return [
+        Odd(slot, outer, majority, agreeing, len(said))
+        for slot, outer in said.items()
+        if outer != majority
+    ]
 
 
 def reply(req: int, **fields: Any) -> dict:
@@ -32,10 +100,11 @@ class RoundRequests:
 
     def __init__(self) -> None:
         self.arrivals: dict[Slot, tuple[Conn, int, bool, bool]] = {}  # conn, req, admit, failed
-        self.ballots: dict[int, dict[Slot, tuple[Conn, int, bool]]] = {}  # by vote seq
+        self.ballots: dict[int, dict[Slot, Ballot]] = {}  # by vote seq, this epoch's
         self.waits = SyncWaits()  # how long late members are waited for (see barrier)
         self.listening: set[Slot] = set()  # slots whose last arrival said `listening`
-        self.decided: dict[int, bool] = {}  # recent votes' results, for a listener's late ballot
+        # recent votes' results by (epoch, seq), for a listener's late ballot
+        self.decided: dict[tuple[int, int], bool] = {}
 
     def arrive(self, slot: Slot, conn: Conn, req: int, msg: dict, now: float) -> None:
         """`slot` reached the sync point (`msg`: its sync request)."""
@@ -63,28 +132,34 @@ class RoundRequests:
         self.arrivals.clear()
 
     def vote(
-        self, seq: int, slot: Slot, conn: Conn, req: int, ok: bool, required: set[Slot], now: float
-    ) -> None:
-        """`slot`'s ballot in vote `seq`; once every slot in `required` that is not listening
-        voted, each ballot is answered: True only if every one was ok. A listener's ballot
-        after that gets the result decided without it."""
-        if seq in self.decided:
-            conn.send(reply(req, result=self.decided[seq]))
-            return
+        self,
+        epoch: int,
+        seq: int,
+        slot: Slot,
+        ballot: Ballot,
+        required: set[Slot],
+        order: list[str],
+        now: float,
+    ) -> list[Odd]:
+        """`slot`'s ballot in vote `seq` of the current `epoch`; once every slot in `required`
+        that is not listening voted, each ballot is answered: True only if every one was ok
+        and the contributing ones agree on the outer state. Returns the ballots that did not
+        (`odd_ones`; `order`: the members' keys in rank order), for the caller to evict."""
         ballots = self.ballots.setdefault(seq, {})
-        ballots[slot] = (conn, req, ok)
+        ballots[slot] = ballot
         self.waits.voted(seq, now)
-        if len(ballots) + len(self.listening) >= len(required) and (
-            required - self.listening <= ballots.keys()
-        ):
-            result = all(ok for _, _, ok in ballots.values())
-            for c, r, _ in ballots.values():
-                c.send(reply(r, result=result))
-            del self.ballots[seq]
-            self.waits.vote_done(seq)
-            self.decided[seq] = result
-            for old in [s for s in self.decided if s < seq - DECIDED_KEPT]:
-                del self.decided[old]
+        if not set(ballots) >= required - self.listening:
+            return []
+        odd = odd_ones(ballots, self.listening, order)
+        result = not odd and all(b.ok for b in ballots.values())
+        for b in ballots.values():
+            b.conn.send(reply(b.req, result=result))
+        del self.ballots[seq]
+        self.waits.vote_done(seq)
+        self.decided[(epoch, seq)] = result
+        while len(self.decided) > DECIDED_KEPT:
+            del self.decided[next(iter(self.decided))]
+        return odd
 
     def overdue(self, now: float, limit: float) -> tuple[str, float, set[Slot]] | None:
         """("sync point" | "vote", seconds waited, the slots that sent theirs) for the oldest
@@ -98,14 +173,14 @@ class RoundRequests:
         seq = min(s for s, t in self.waits.vote_since.items() if now - t > limit)
         return what, waited, set(self.ballots.get(seq, {}))
 
-    def new_epoch(self, epoch_info: dict) -> None:
+    def new_epoch(self, epoch_info: dict, required: set[Slot]) -> None:
         """Everyone waiting is answered: arrivals with the new epoch, every vote in flight
-        False ("the epoch changed")."""
+        False ("the epoch changed"); `required`: the new epoch's slots (a listener among them
+        stays one, and the decided results stay for its late ballots)."""
         self.release(epoch_info)
         self.waits.reset()
-        self.listening.clear()
-        self.decided.clear()
+        self.listening &= required
         for ballots in self.ballots.values():
-            for conn, req, _ in ballots.values():
-                conn.send(reply(req, result=False, reason="the epoch changed"))
+            for b in ballots.values():
+                b.conn.send(reply(b.req, result=False, reason="the epoch changed"))
         self.ballots.clear()

@@ -13,6 +13,8 @@ environment itself.
 | `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
 | `PRIME_TRAIN_FAULT_HOLD_LISTENING_S` | a listener (`diloco/listen.py`) that loaded its snapshot goes on listening (keeping each round, catching up with none) for at most this many seconds, or until it stops listening (sent away, say), once per process: as if its backlog were slow to come, so that a test can restart the coordinator while it holds its state and kept rounds |
 | `PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS` | a listener's Nth round after the one that admitted it: its all-reduce counts as failed on it alone, and its ballot goes out 1 s late, once per process: the members, who do not wait for a listener's ballot, commit without it, and it learns that it lacks the round's update |
+| `PRIME_TRAIN_FAULT_PERTURB_OUTER_AT` | once this node applied outer step N, it adds 0.001 to the first of its outer weights, once per process, before it hashes them: a node whose weights silently differ from the others' |
+| `PRIME_TRAIN_FAULT_NAN_AT` | the pseudo-gradient this node computes for outer step N holds a NaN, once per process: a node whose numbers went bad |
 | `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
 """
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
+
+import torch
 
 from prime_train.metrics import Log
 
@@ -173,3 +177,31 @@ def listener_round_fails(log: Log | None) -> str | None:
         log.info(f"fault hook: this listener's round {seen} fails here; its ballot goes late")
     time.sleep(1.0)
     return "fault hook: the listener's all-reduce failed"
+
+
+PERTURB_OUTER_ENV = "PRIME_TRAIN_FAULT_PERTURB_OUTER_AT"
+_perturb_outer = [int(_seconds(PERTURB_OUTER_ENV))]  # the outer step: once
+NAN_AT_ENV = "PRIME_TRAIN_FAULT_NAN_AT"
+_nan_at = [int(_seconds(NAN_AT_ENV))]  # the outer step: once
+
+
+def perturb_outer(outer_step: int, weights: torch.Tensor, log: Log | None) -> None:
+    """`PRIME_TRAIN_FAULT_PERTURB_OUTER_AT`: once outer step `outer_step` is applied, move the
+    first outer weight by 0.001 (once): this node's weights now differ from the others'."""
+    if not _perturb_outer[0] or outer_step != _perturb_outer[0] or not weights.numel():
+        return
+    _perturb_outer[0] = 0
+    weights[0] += 0.001
+    if log is not None:
+        log.info(f"fault hook: perturbed this node's outer weights at outer step {outer_step}")
+
+
+def poison_pseudo_gradient(outer_step: int, pseudo_gradient: torch.Tensor, log: Log | None) -> None:
+    """`PRIME_TRAIN_FAULT_NAN_AT`: the pseudo-gradient for outer step `outer_step` gets a NaN
+    (once)."""
+    if not _nan_at[0] or outer_step != _nan_at[0] or not pseudo_gradient.numel():
+        return
+    _nan_at[0] = 0
+    pseudo_gradient[0] = float("nan")
+    if log is not None:
+        log.info(f"fault hook: a NaN in this node's pseudo-gradient for outer step {outer_step}")

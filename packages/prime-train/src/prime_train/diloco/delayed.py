@@ -58,6 +58,7 @@ import prime_comm
 from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
 from prime_train.diloco.average import Averaged
+from prime_train.diloco.contribution import usable
 from prime_train.diloco.late_joiner import settle_late
 from prime_train.diloco.outer_step import Diloco
 from prime_train.diloco.round_log import join_cost, members_before, round_counts
@@ -136,6 +137,9 @@ class DelayedDiloco(Diloco):
         contributing = contributing and (reads is None or any(reads))  # read nothing: no part
         part = self.part  # this round's fragment: the committed count's, as every node's
         part.compute_pseudo_gradient()  # P = O' - θ
+        if contributing and not usable(part.pseudo_gradient, self.outer_steps + 1, self.log):
+            contributing = False  # bad numbers: left out, not fatal; its model restarts from
+            part.load_into_model()  # the outer weights (θ + (O'' - X) is then O'')
         if not contributing:
             part.pseudo_gradient.zero_()
         part.copy_model_into(self.round_start)  # X = θ (that fragment's range of the buffer)
@@ -175,7 +179,7 @@ class DelayedDiloco(Diloco):
             faults.hold_outer_round(rnd["step"], self.log)
             with listener.collective() if listener is not None else nullcontext():
                 got = self.average(regrouped, contributing, reads, step=int(rnd["step"]))
-            committed = self.vote(got)  # a committed round's residual is kept at once
+            committed = self.vote(got, contributing)  # a committed round's residual is kept at once
             epoch, members = mesh.installed_group  # (never raises for a later eviction)
             cost = join_cost(mesh, before, sync_seconds)  # (a round that admitted a node)
             rnd.update(

@@ -78,7 +78,29 @@ def load_members_state(
 ) -> JoinRecord:
     """Steps 3 and 4: fetch a member's checkpoint into this node's folder, load it (every
     local rank), replay the committed updates since, then say `ready()`. `rejoined`: the
-    count, for a rejoin by itself."""
+    count, for a rejoin by itself. A node evicted before it was admitted (stalled or cut off
+    past the heartbeat timeout while it fetched or waited) registers again and starts over,
+    at most `MAX_LATE` times."""
+    for tries in range(1, MAX_LATE + 2):
+        try:
+            return _load_members_state(run, outer, rejoined)
+        except (MeshEvicted, CoordinatorLost) as e:
+            if tries > MAX_LATE:
+                raise
+            run.log.warn(
+                f"lost its place before it was admitted ({type(e).__name__}: {e}); "
+                f"registering again and joining again ({tries} of at most {MAX_LATE})"
+            )
+            membership = run.placement.membership
+            assert membership is not None
+            membership.close()
+            membership = register_again(run, e)
+            run.placement.membership = membership
+            outer.reattach(membership.mesh)
+    raise AssertionError("unreachable")
+
+
+def _load_members_state(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
     membership = run.placement.membership
     assert membership is not None and membership.joining
     if listening(outer) and not faults.waits_after_snapshot():

@@ -58,7 +58,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prime_mesh import MeshTimeout, RunCompleted
+from prime_mesh import CoordinatorLost, MeshEvicted, MeshTimeout, RunCompleted
 from prime_train import faults
 from prime_train.diloco.catch_up import (
     Fetched,
@@ -70,19 +70,23 @@ from prime_train.diloco.catch_up import (
 from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.diloco.replay_log import Entry
 from prime_train.diloco.snapshot import (
+    JOIN_TIMEOUT_S,
     Background,
     JoinFailed,
     JoinRecord,
-    load_state,
+    fetch_rate,
+    load_snapshot,
     shared_tensors,
 )
 
 if TYPE_CHECKING:
-    from prime_train.config import MeshConfig
     from prime_train.diloco.average import Averaged
     from prime_train.diloco.outer_step import Diloco
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
+
+
+BACKLOG_JOIN_S = 60.0  # how long closing a listener waits for its backlog's fetch to end
 
 
 @dataclass
@@ -215,6 +219,7 @@ class Listener:
             self.outer.optimizer.pseudo_gradient.copy_(average)
             self._keep(got)
             self.outer.rollback_to_outer()  # its model goes back to its own outer weights
+            self._check_bound()
             return False
         self._catch_up()
         self.outer.optimizer.pseudo_gradient.copy_(average)
@@ -226,6 +231,24 @@ class Listener:
             "from the next round"
         )
         return True
+
+    def _check_bound(self) -> None:
+        """MeshTimeout once it listened longer than the mesh's `join_timeout` (decided on
+        local rank 0 for all ranks): a snapshot or backlog that never comes must not keep it
+        listening, holding the donors' logs, for ever."""
+        bound = self.outer.mesh.join_timeout
+        if bound is None:
+            return
+        listened = on_primary(self.run, lambda: time.monotonic() - self.t0)
+        if listened <= bound:
+            return
+        self.close()
+        raise MeshTimeout(
+            f"listened for {listened:.0f} s ({self.record.listened} round(s)) without "
+            f"catching up, past the mesh's join_timeout of {bound:g} s: the snapshot or the "
+            "rounds it missed did not come in time (check this node's link to the members, "
+            "then rerun the same command to join again)"
+        )
 
     def _load(self, snapshot: JoinRecord) -> None:
         """The snapshot came: load it (every local rank); a backlog between it and the first
@@ -277,6 +300,7 @@ class Listener:
                 data.commit(kept.consumed, kept.members)  # as the members moved them
         if self.outer.fragments.count > 1:  # its local weights: the outer ones, as `enter`'s
             self.outer.rollback_to_outer()  # (a fragment not replayed holds the donor's)
+        self.outer.feedback.reset()  # the snapshot brought the donor's residual: not its own
         self.close(caught_up=True)
 
     def close(self, caught_up: bool = False) -> None:
@@ -285,35 +309,14 @@ class Listener:
         its own state, which the kept rounds it drops no longer stand in for."""
         self.outer.listener = None
         faults.end_hold_listening()
+        if self._thread is not None:  # (caught up: it ended; given up: its fetch is bounded)
+            self._thread.join(timeout=BACKLOG_JOIN_S)
+            if self._thread.is_alive():
+                self.run.log.warn(f"the backlog's fetch is still on after {BACKLOG_JOIN_S:g} s")
+            self._thread = None
         if caught_up and self.record.holder is not None:
             self.record.holder.first = self.count + 1  # nothing older is needed any more
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: JoinRecord) -> None:
-    """A listener's snapshot (`got`, fetched in the background) came: take what it says into
-    `record` and load it on every local rank."""
-    record.snapshot_step, record.donor, record.snapshot_donors = (
-        got.snapshot_step,
-        got.donor,
-        got.snapshot_donors,
-    )
-    record.bytes, record.seconds = got.bytes, got.seconds
-    record.pending = None
-    load_state(run, outer, record)
-    mbps = got.bytes / 1e6 / got.seconds if got.seconds else float("inf")
-    run.log.info(
-        f"fetched the step-{got.snapshot_step} checkpoint from {got.donor} while listening: "
-        f"{got.bytes / 1e6:.2f} MB in {got.seconds:.2f} s ({mbps:.1f} MB/s), loaded in "
-        f"{record.load_seconds:.2f} s"
-    )
-
-
-def fetch_rate(mesh: MeshConfig) -> float | None:
-    """A listener's cap on its snapshot's fetch, bytes/s (None: none): `mesh.fetch_mbit`, by
-    default 2 x `mesh.serve_mbit` (the whole link when the donors serve at half of it)."""
-    mbit = mesh.fetch_mbit if mesh.fetch_mbit is not None else 2 * mesh.serve_mbit
-    return mbit * 1e6 / 8 or None
 
 
 def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
@@ -334,13 +337,20 @@ def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> Join
     else:
         record.pending = True  # (local rank 0's fetch, told through `on_primary`)
     outer.listen_first = True  # type: ignore[attr-defined]
-    faults.delay_first_ready(run.log)
-    membership.mesh.ready()
-    run.log.info(
-        "joining a running job: ready at once, admitted at the members' next sync point; the "
-        "snapshot comes in the background while this node listens"
-    )
-    _wait_admitted(run, record)
+    try:
+        faults.delay_first_ready(run.log)
+        membership.mesh.ready()
+        run.log.info(
+            "joining a running job: ready at once, admitted at the members' next sync point; "
+            "the snapshot comes in the background while this node listens"
+        )
+        _wait_admitted(run, record)
+    except (MeshEvicted, CoordinatorLost):  # (it joins again: nothing may write meanwhile)
+        if record.holder is not None:
+            record.holder.__exit__(None, None, None)
+        if isinstance(record.pending, Background):
+            record.pending.join(JOIN_TIMEOUT_S)
+        raise
     return record
 
 
@@ -368,6 +378,8 @@ def _wait_admitted(run: Run, record: JoinRecord) -> None:
             )
         try:
             members = membership.mesh.members()
+        except MeshEvicted as e:  # stalled or cut off before its admission: it joins again
+            return "MeshEvicted", str(e)
         except Exception:  # the coordinator briefly away: ask again
             return None
         return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
@@ -382,3 +394,5 @@ def _wait_admitted(run: Run, record: JoinRecord) -> None:
         raise JoinFailed(why)
     if kind == "MeshTimeout":
         raise MeshTimeout(why)
+    if kind == "MeshEvicted":
+        raise MeshEvicted(why)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from prime_train import faults
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
+from prime_train.diloco.contribution import usable
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
 from prime_train.diloco.late_joiner import JoinedLate, settle_late, sync_count, sync_part
@@ -187,6 +188,10 @@ class Diloco:
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
                     with self._own():
                         part.compute_pseudo_gradient()
+                if contributing and not usable(  # (bad numbers: left out, not fatal)
+                    part.pseudo_gradient, self.outer_steps + 1, self.log
+                ):
+                    contributing = False  # (its model takes the committed weights at apply)
                 if not contributing:
                     part.pseudo_gradient.zero_()
                 before = members_before(self.mesh)
@@ -201,7 +206,7 @@ class Diloco:
                     self.listener.collective() if self.listener is not None else nullcontext()
                 ):
                     got = self.average(regrouped, contributing, reads, step=step)
-                if self.vote(got):
+                if self.vote(got, contributing):
                     faults.stall_after_vote(self.outer_steps + 1, self.log)  # (a test's)
                     settled = settle_late(self, got, step)  # (a late joiner's or listener's)
                     if settled is None:
@@ -353,12 +358,14 @@ class Diloco:
             return None
         return {"data": self.data.commit(consumed, members)}
 
-    def vote(self, got: Averaged) -> bool:
+    def vote(self, got: Averaged, contributed: bool = True) -> bool:
         """Ask every member whether this attempt's all-reduce worked (`should_commit`); if all
-        say yes and the average counted this node, its new residual becomes its own."""
+        say yes and the average counted this node, its new residual becomes its own.
+        `contributed`: this node sent its pseudo-gradient (only then is its outer state
+        compared with the others': a joiner's may lag until it caught up)."""
         if self.listener is not None and got.error is None:  # (a test's fault hook)
             got.error = faults.listener_round_fails(self.log)
-        committed = self.mesh.should_commit(got.error is None)
+        committed = self.mesh.should_commit(got.error is None, contributed=contributed)
         if committed and got.error is not None:  # (a listener: its ballot is not waited for)
             raise JoinedLate(f"its all-reduce failed while the members committed: {got.error}")
         if committed and got.late is None:

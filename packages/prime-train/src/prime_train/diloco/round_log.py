@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from prime_mesh import MeshError
+from prime_train import faults
 from prime_train.config import DilocoConfig
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.metrics import Log, Metrics
@@ -174,6 +175,7 @@ class RoundLog:
     ) -> OuterStepReport:
         """Count, log and write one applied outer step (`extra`: more keys for its row)."""
         epoch, members = mesh.installed_group  # (an eviction noticed since the vote: still ours)
+        faults.perturb_outer(self.totals["outer_steps"] + 1, self.optimizer.weights, self.log)
         t_hash = time.perf_counter()
         shards, node_bytes = self.node_figures(stats.bytes_sent if stats else 0)
         if extra is not None and "outer_own_s" in extra:  # the hash is the step's own work too

@@ -29,6 +29,7 @@ from prime_train.metrics import Log
 from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
+    from prime_train.config import MeshConfig
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
 
@@ -333,3 +334,29 @@ def load_state(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
     run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
     record.step = record.snapshot_step
     record.load_seconds += time.monotonic() - t
+
+
+def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: JoinRecord) -> None:
+    """A listener's snapshot (`got`, fetched in the background) came: take what it says into
+    `record` and load it on every local rank."""
+    record.snapshot_step, record.donor, record.snapshot_donors = (
+        got.snapshot_step,
+        got.donor,
+        got.snapshot_donors,
+    )
+    record.bytes, record.seconds = got.bytes, got.seconds
+    record.pending = None
+    load_state(run, outer, record)
+    mbps = got.bytes / 1e6 / got.seconds if got.seconds else float("inf")
+    run.log.info(
+        f"fetched the step-{got.snapshot_step} checkpoint from {got.donor} while listening: "
+        f"{got.bytes / 1e6:.2f} MB in {got.seconds:.2f} s ({mbps:.1f} MB/s), loaded in "
+        f"{record.load_seconds:.2f} s"
+    )
+
+
+def fetch_rate(mesh: MeshConfig) -> float | None:
+    """A listener's cap on its snapshot's fetch, bytes/s (None: none): `mesh.fetch_mbit`, by
+    default 2 x `mesh.serve_mbit` (the whole link when the donors serve at half of it)."""
+    mbit = mesh.fetch_mbit if mesh.fetch_mbit is not None else 2 * mesh.serve_mbit
+    return mbit * 1e6 / 8 or None
