@@ -78,3 +78,24 @@ def test_sigterm_mid_round_leaves_at_once_and_the_same_command_rejoins(
     assert after, mine
     for k, digest in after.items():
         assert theirs[k] == digest, f"outer step {k} differs after the rejoin at {joined[0]}"
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_a_node_waits_for_the_run_to_form_exits_0(tmp_path, token_cache, children):
+    """A stop before the loop has nothing to save: a node SIGTERMed while it waits for the run
+    to form (registered, before any group) exits 0, not by the signal, and the coordinator
+    sees it go."""
+    from prime_mesh import Coordinator
+    from prime_testkit import node_states
+
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    try:
+        node = {"host": "127.0.0.1", "token": TOKEN, "steps": 20, "inner_steps": 10}
+        p = start_cli_node(children, tmp_path / "n0", coordinator=coord.address,
+                           cache=token_cache, **node)  # fmt: skip
+        wait_until(lambda: node_states(coord) or p.poll() is not None, 90, what="registration")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0, log_tails(tmp_path)
+        wait_until(lambda: not node_states(coord), 30, what="the coordinator to see it go")
+    finally:
+        coord.close()

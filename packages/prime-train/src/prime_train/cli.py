@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -89,6 +91,12 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _stopped_while_starting(signum: int, _frame: object) -> None:
+    print(f"prime-train: {signal.Signals(signum).name} received while starting: nothing to "
+          "save yet. Rerun the same command to start again", file=sys.stderr)  # fmt: skip
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     return_freed_memory()  # before the model's first allocation
@@ -145,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         except (MeshError, OSError) as e:  # the status page: extra missing, port taken
             return _fail(str(e))
 
+    # until the trainer takes over the signals (prime_train.stop), a stop while the heavy
+    # modules load has nothing to save: exit 0 as a stop does, not by the signal
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _stopped_while_starting)
     from prime_mesh import MeshError, RunCompleted
     from prime_train.diloco import OuterStepFailed
     from prime_train.rundir import RunDirError

@@ -29,8 +29,10 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal = signal.Signals(signum).name
-        for sig, old in self._old.items():  # a second signal gets the default behaviour
-            signal.signal(sig, old)
+        for sig in self._old:  # a second signal gets the default behaviour
+            signal.signal(
+                sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            )
         if self.at_once:
             raise StoppedEarly(f"{self.signal} received before training began")
 

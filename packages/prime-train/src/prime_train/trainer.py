@@ -98,7 +98,8 @@ def train(
     takes a DiLoCo outer step every `diloco.inner_steps` steps."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    placement = placement or init_placement(cfg)
+    with StopSignal(at_once=True):  # a stop during start-up: nothing of its own to save yet
+        placement = placement or init_placement(cfg)
     log = log or Log(placement.prefix, primary=placement.rank == 0)
     membership = placement.membership
     if membership is not None and outer is not None and not isinstance(outer, ElasticOuterStep):
@@ -120,7 +121,8 @@ def train(
     run: Run | None = None
     lines = LogLines.attach(log)  # a checkpoint that failed in the background: one line
     try:
-        run = Run(cfg, placement, log)
+        with StopSignal(at_once=True):
+            run = Run(cfg, placement, log)
         if outer is None and membership is not None:
             outer = make_outer_step(
                 cfg.diloco,
