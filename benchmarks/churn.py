@@ -8,13 +8,15 @@ checked from every node's rows.
 Each seed draws a schedule (`draw`) in benchmarks/wan_chaos_schedule.py's language from its
 own random generator: SIGKILL and rerun, SIGTERM and rerun, SIGSTOP past the heartbeat
 timeout, fresh joiners, a member leaving while another node listens, a coordinator SIGKILL and
-restart; then every node still down is rerun, the job settles and every node is stopped with
+restart, one node whose outer weights are perturbed and one whose pseudo-gradient holds a NaN
+at an outer step drawn too (`draw_faults`, prime_train.faults' hooks); then every node still down is rerun, the job settles and every node is stopped with
 SIGTERM. The job (benchmarks/wan_chaos_job.py) runs `prime-mesh coordinator` and every node as
 `prime-train` in its own network namespace and working folder, on --mbit links. The same seed
 and settings draw the same schedule (the events' exact times depend on the machine).
 
 A run holds when, from all nodes' metrics rows:
-- one `outer_sha256` per outer step across every node, and no node's outer steps roll back;
+- one `outer_sha256` per outer step across every node (but the perturbed node's row at the
+  step its weights were changed: the vote after it must find it), no outer step rolled back;
 - every data slot's counted reads form one chain from 0 (nothing read twice or skipped);
 - no stretch without a commit longer than the sync timeout (--sync-timeout);
 - every node process exits 0 (except the ones the schedule SIGKILLed), and no namespace or
@@ -126,6 +128,30 @@ def draw(seed: int, events: int, nodes: int, heartbeat_timeout: float) -> str:
     return " ".join([*items, "back:stop"])
 
 
+PERTURB, NAN = "PRIME_TRAIN_FAULT_PERTURB_OUTER_AT", "PRIME_TRAIN_FAULT_NAN_AT"
+
+
+def draw_faults(seed: int, nodes: int) -> dict[int, dict[str, str]]:
+    """Two of the first nodes misbehave once per process (prime_train.faults): one's outer
+    weights are perturbed after an outer step (the vote must find it; it rejoins), another's
+    pseudo-gradient holds a NaN (left out of that round)."""
+    rng = random.Random(f"faults-{seed}")
+    perturbed, nan = rng.sample(range(nodes), 2)
+    return {perturbed: {PERTURB: str(rng.randint(5, 12))}, nan: {NAN: str(rng.randint(5, 12))}}
+
+
+def split_hashes(job) -> dict[int, list[str]]:
+    """Outer steps whose rows carry more than one hash, leaving out the row of the one outer
+    step at which the perturbed node's weights were changed by the fault hook (that row shows
+    the injected difference; every later one must agree)."""
+    injected = {(k, int(env[PERTURB])) for k, env in job.faults.items() if PERTURB in env}
+    hashes: dict[int, set[str]] = {}
+    for r in job.outer_rows():
+        if (r["node"], r["outer_step"]) not in injected:
+            hashes.setdefault(r["outer_step"], set()).add(r["outer_sha256"])
+    return {k: sorted(v) for k, v in hashes.items() if len(v) > 1}
+
+
 def slot_chains(job) -> list[str]:
     """What breaks "every slot's counted reads are one chain from 0": a slot read by two nodes
     in one outer step, a gap or an overlap."""
@@ -160,10 +186,10 @@ def check(job, left: list[str], sync_timeout: float) -> dict[str, object]:
     lost = report.nothing_lost(job, {}, left)
     exits = {f"node{k} pid {p.pid}": p.returncode
              for k, p in job.every_proc if p.pid not in job.killed}  # fmt: skip
-    chains, gaps = slot_chains(job), commit_gaps(job, sync_timeout)
+    chains, gaps, split = slot_chains(job), commit_gaps(job, sync_timeout), split_hashes(job)
     return {
-        "one_hash_per_outer_step": lost["one_hash_per_outer_step"],
-        "split_hashes": lost["split_hashes"],
+        "one_hash_per_outer_step": not split and bool(lost["outer_steps"]),
+        "split_hashes": split,
         "no_rollback": lost["no_rollback"],
         "rollbacks": lost["rollbacks"],
         "slot_chains": not chains,
@@ -180,7 +206,9 @@ def check(job, left: list[str], sync_timeout: float) -> dict[str, object]:
 
 def run_seed(seed: int, args, workdir: Path) -> dict:
     text = draw(seed, args.events, args.nodes, args.heartbeat_timeout)
-    print(f"\n== seed {seed}: {text}", flush=True)
+    args.faults = draw_faults(seed, args.nodes)
+    faults = ", ".join(f"node{k} {n}={v}" for k, env in args.faults.items() for n, v in env.items())
+    print(f"\n== seed {seed}: {text}\n   fault hooks: {faults}", flush=True)
     events = schedule.parse(text, args.nodes)
     try:
         job, _, left = run_job(f"seed{seed}", events, args.nodes, args, workdir)

@@ -47,7 +47,8 @@ class Job:
         self.lives: dict[int, list[float]] = {}  # node -> start times of its processes
         self.every_proc: list[tuple[int, subprocess.Popen]] = []  # each node process started
         self.killed: set[int] = set()  # pids this job SIGKILLed (their exit is not theirs)
-        self.env_for = lambda k: {}  # extra environment of node k's next process (fault hooks)
+        # node k's fault hooks (environment), in every process of it: benchmarks/churn.py
+        self.faults: dict[int, dict[str, str]] = getattr(args, "faults", {})
 
     # --- processes ---------------------------------------------------------------------
     def env(self) -> dict[str, str]:
@@ -102,7 +103,7 @@ class Job:
                *getattr(a, "extra_args", ())]  # fmt: skip
         log = open(self.dir / f"node{k}.log", "a")  # noqa: SIM115 - the child holds it
         self.procs[k] = self.children.popen(
-            self.bed.exec_prefix(k) + cmd, env={**self.env(), **self.env_for(k)}, stdout=log,
+            self.bed.exec_prefix(k) + cmd, env={**self.env(), **self.faults.get(k, {})}, stdout=log,
             stderr=subprocess.STDOUT, cwd=folder,
         )  # fmt: skip
         log.close()

@@ -36,8 +36,10 @@ def test_the_draws_cover_every_kind_of_event():
                      "restart-coordinator"}  # fmt: skip
 
 
-def job_of(rows: list[dict]) -> SimpleNamespace:
-    return SimpleNamespace(outer_rows=lambda: sorted(rows, key=lambda r: r["time"]), t0=0.0)
+def job_of(rows: list[dict], faults: dict | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        outer_rows=lambda: sorted(rows, key=lambda r: r["time"]), t0=0.0, faults=faults or {}
+    )
 
 
 def row(node, k, t, data):
@@ -55,6 +57,22 @@ def test_slot_chains_find_a_range_read_twice_and_a_gap():
     gap = [*good, row(0, 3, 3.0, {"1": [9, 10]})]
     assert "expected from 8" in churn.slot_chains(job_of(gap))[0]
     assert churn.slot_chains(job_of([row(0, 1, 1.0, {})])) == ["no row carries data slot reads"]
+
+
+def test_one_hash_per_outer_step_but_the_injected_row():
+    faults = churn.draw_faults(3, 3)
+    assert faults == churn.draw_faults(3, 3) and len(faults) == 2  # two nodes, replayable
+    (p,) = [k for k, env in faults.items() if churn.PERTURB in env]
+    at = int(faults[p][churn.PERTURB])
+    rows = [{**row(k, s, float(s), {}), "outer_sha256": f"h{s}"} for k in range(3)
+            for s in range(1, at + 3)]  # fmt: skip
+    rows[[i for i, r in enumerate(rows) if (r["node"], r["outer_step"]) == (p, at)][0]][
+        "outer_sha256"
+    ] = "perturbed"
+    assert churn.split_hashes(job_of(rows, faults)) == {}  # the fault's own row is not a split
+    rows.append({**row(p, at + 3, 99.0, {}), "outer_sha256": "still differs"})
+    rows.append({**row((p + 1) % 3, at + 3, 99.0, {}), "outer_sha256": f"h{at + 3}"})
+    assert churn.split_hashes(job_of(rows, faults)) == {at + 3: [f"h{at + 3}", "still differs"]}
 
 
 def test_commit_gaps_find_a_stretch_without_a_commit():

@@ -131,17 +131,21 @@ def _header(
     mesh: ElasticDeviceMesh, contributing: bool, mine: int, reads: list[int] | None,
     step: int | None,
 ) -> tuple[int, str | None, bool, list[float] | None, int, int | None]:  # fmt: skip
-    """Sum (contributes?, outer steps, the step in two parts, reads per slot) over the group:
-    (contributors, why this joiner is late, whether some node's count differs, the reads
-    summed, how many outer steps this joiner is behind, the contributors' step). Float32 is
-    exact here: a round's reads of a slot are far below 2**24, and so are the step's parts
-    summed over fewer than 4096 contributors."""
+    """Sum (contributes?, outer steps, the step in two parts, the contributors' outer steps,
+    reads per slot) over the group: (contributors, why this joiner is late, whether some
+    node's count differs, the reads summed, how many outer steps this joiner is behind, the
+    contributors' step). The members' count comes from the contributors alone: two joiners
+    admitted together each state a count of their own (a fresh one 0, a rerun its stale one),
+    and an average over all the others would be neither. Float32 is exact here: a round's
+    reads of a slot are far below 2**24, and so are the step's parts summed over fewer than
+    4096 contributors."""
     world = mesh.global_world_size
     counted = reads if (reads is not None and contributing) else [0] * len(reads or [])
     high, low = divmod(step, STEP_SPLIT) if contributing and step is not None else (0, 0)
     header = torch.tensor(
-        [float(contributing), float(mine), float(high), float(low), *counted], dtype=torch.float32
-    )
+        [float(contributing), float(mine), float(high), float(low), float(contributing) * mine,
+         *counted], dtype=torch.float32,
+    )  # fmt: skip
     prime_comm.all_reduce(
         header,
         group=mesh.global_pg,
@@ -151,15 +155,19 @@ def _header(
         should_abort=mesh.should_abort,
     )
     late, mismatch, behind = None, float(header[1]) != float(world * mine), 0
+    contributors = round(float(header[0]))
     if mismatch and not contributing:
-        others = (float(header[1]) - mine) / max(world - 1, 1)
+        others = (
+            float(header[4]) / contributors
+            if contributors
+            else (float(header[1]) - mine) / max(world - 1, 1)
+        )
         late = (
             f"admitted after {others:.0f} outer steps but loaded the state of {mine}: the "
             "fetch outlasted a round. Rerun the same command to join again"
         )
         behind = round(others) - mine
-    consumed = header[4:].tolist() if reads is not None else None
-    contributors = round(float(header[0]))
+    consumed = header[5:].tolist() if reads is not None else None
     return contributors, late, mismatch, consumed, behind, _agreed_step(header, contributors)
 
 
