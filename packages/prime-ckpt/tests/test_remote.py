@@ -110,10 +110,11 @@ def test_s3_remote_torn_corrupt_and_restore(tmp_path, s3, monkeypatch, capsys):
 
 
 def test_uploads_never_block_save_and_skip_to_the_newest(tmp_path, monkeypatch):
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
     real = RemoteStore.upload
 
     def gated_upload(self, local, retry):  # the first upload waits until the test opens the gate
+        entered.set()
         gate.wait(60)
         return real(self, local, retry)
 
@@ -122,6 +123,9 @@ def test_uploads_never_block_save_and_skip_to_the_newest(tmp_path, monkeypatch):
     with CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm", remote=url, keep=1) as mgr:
         for s in range(1, 6):  # each durable on disk while upload 1 is stuck
             mgr.save(s, st(s)).wait(60)
+            # upload 1 under way before step 2 commits (under load the uploader thread could
+            # be slower than a save, and step 1 then skipped for 2)
+            assert entered.wait(60)
         assert not gate.is_set()
         # steps 1 (uploading) and 5 (pending) are pinned on disk despite keep=1
         assert [c.step for c in mgr.list() if c.tier == "disk"] == [5, 1]

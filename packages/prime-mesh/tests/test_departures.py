@@ -75,3 +75,16 @@ def test_a_sync_point_waits_for_the_departures_epoch():
     for k in ("k0", "k1"):
         (answer,) = _replies(nodes[k][1])
         assert answer["epoch"]["epoch"] == 2 and len(answer["epoch"]["members"]) == 2
+
+
+def test_a_departing_member_that_also_stops_heartbeating_is_evicted_once():
+    clock = FakeClock()
+    m = Membership(min_nodes=3, clock=clock, depart_batch_s=DEPART_BATCH_S)
+    nodes = _form(m, 3)
+    m.evict(nodes["k2"][0], "connection of local rank 0 closed")
+    clock.now += 6.0  # past the heartbeat timeout (5 s) of every node: all three are silent
+    for k in ("k0", "k1"):
+        m.heartbeat(nodes[k][0], 0)
+    m.tick()  # k2 is both departing and silent: one eviction, one epoch
+    assert m.epoch == 2 and m.members == ["k0", "k1"]
+    assert [msg["type"] for msg in nodes["k2"][1].sent].count("evicted") == 1

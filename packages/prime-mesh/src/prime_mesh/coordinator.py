@@ -62,7 +62,9 @@ class Coordinator:
     to give nodes; `.close()` stops it. The token defaults to env PRIME_TOKEN. The first epoch
     forms once `min_nodes` nodes are registered and ready; later nodes join at sync points.
     Restarted on the same address, it re-forms the run from the nodes that reconnect, waiting
-    up to `reform_wait` seconds for the old members (see `prime_mesh.reform`).
+    up to `reform_wait` seconds for the old members (see `prime_mesh.reform`). A connection
+    must complete its handshake within `handshake_s`; at most `max_pending_per_address` may be
+    in their handshake per address, `max_conns` open in all (see `prime_mesh.connections`).
     """
 
     def __init__(

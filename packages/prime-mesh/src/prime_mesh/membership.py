@@ -238,7 +238,8 @@ class Membership(MembershipViews):
     def _evict(self, batch: list[tuple[Node, str]], logged: bool = False) -> None:
         """Evict each node of `batch` (those still here) for its reason; one new epoch.
         `logged`: the batch's departures were logged as they came."""
-        batch = [(n, r) for n, r in batch if self.nodes.get(n.key) is n]
+        here = {n.key: (n, r) for n, r in reversed(batch) if self.nodes.get(n.key) is n}
+        batch = list(reversed(here.values()))  # once each, with its first reason
         if not batch:
             return
         for node, reason in batch:
@@ -273,17 +274,16 @@ class Membership(MembershipViews):
         now = self.clock()
         if self._reform_since is not None and not self.members:
             self._maybe_bootstrap()  # the re-formation's wait may have run out
+        silent = []  # evicted at once (the heartbeat timeout is their wait), with the batch
         for node in list(self.nodes.values()):
             for lr, seen in node.last_seen.items():
-                age = now - seen
-                if age > node.heartbeat_timeout:
-                    self.evict(
-                        node,
-                        f"no heartbeat from local rank {lr} for {age:.1f}s "
-                        f"(timeout {node.heartbeat_timeout:g}s): stalled or cut off",
-                    )
+                if (age := now - seen) > node.heartbeat_timeout:
+                    why = (f"no heartbeat from local rank {lr} for {age:.1f}s "
+                           f"(timeout {node.heartbeat_timeout:g}s): stalled or cut off")  # fmt: skip
+                    silent.append((node, why))
+                    log_departure(node, why)
                     break
-        self._evict(self._departing.take(), logged=True)
+        self._evict(silent + self._departing.take(due_only=not silent), logged=True)
         self._leave_out_late(now)
 
     def _leave_out_late(self, now: float) -> None:

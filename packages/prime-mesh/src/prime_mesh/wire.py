@@ -106,22 +106,21 @@ class Channel:
         msg = PROTOCOL + direction + self._nonces + struct.pack("!Q", counter) + body
         return hmac.new(self._key, msg, hashlib.sha256).digest()
 
+    def _next_frame(self, msg: dict) -> bytes:
+        body = msgpack.packb(msg, use_bin_type=True)
+        self._send_counter += 1
+        c = self._send_counter
+        return frame_bytes(msgpack.packb([c, body, self._mac(self._send_dir, c, body)]))
+
     def pack(self, msg: dict) -> bytes:
         """`msg` as the next length-prefixed frame of this stream (its counter taken): bytes to
         write as they are, for a server that writes without blocking."""
-        body = msgpack.packb(msg, use_bin_type=True)
         with self._send_lock:
-            self._send_counter += 1
-            c = self._send_counter
-            return frame_bytes(msgpack.packb([c, body, self._mac(self._send_dir, c, body)]))
+            return self._next_frame(msg)
 
     def send(self, msg: dict) -> None:
-        # under the lock, so frames reach the socket in counter order
-        with self._send_lock:
-            body = msgpack.packb(msg, use_bin_type=True)
-            self._send_counter += 1
-            c = self._send_counter
-            write_frame(self.sock, msgpack.packb([c, body, self._mac(self._send_dir, c, body)]))
+        with self._send_lock:  # held while writing: frames reach the socket in counter order
+            self.sock.sendall(self._next_frame(msg))
 
     def recv(self) -> dict:
         return self.unpack(read_frame(self.sock))
@@ -150,14 +149,6 @@ class Channel:
         if not isinstance(msg, dict):
             raise MeshAuthError("malformed message body (expected a map)")
         return msg
-
-    def refuse(self, reason: str) -> None:
-        """Send an unauthenticated refusal and close (the peer failed to authenticate)."""
-        try:
-            write_frame(self.sock, msgpack.packb({"error": reason}))
-        except OSError:
-            pass
-        self.close()
 
     def close(self) -> None:
         try:
