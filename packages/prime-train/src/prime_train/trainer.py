@@ -152,6 +152,7 @@ def train(
 def attach_replay_log(run: Run, outer: OuterStep) -> None:
     """Give a DiLoCo step its update log (`diloco/replay_log.py`), whose entries
     a joiner holds through this node's checkpoint server (whichever registration is live)."""
+    from prime_train.diloco.catch_up import log_key
     from prime_train.diloco.membership import replay_dir
     from prime_train.diloco.replay_log import ReplayLog
 
@@ -165,8 +166,9 @@ def attach_replay_log(run: Run, outer: OuterStep) -> None:
         return m.server.held_from() if m is not None and m.server is not None else None
 
     outer.replay_log = ReplayLog(  # type: ignore[attr-defined]
-        replay_dir(run.ckpt_dir), placement.rank, keep, held_from if run.primary else None
-    )
+        replay_dir(run.ckpt_dir), placement.rank, keep, log_key(run),
+        held_from if run.primary else None,
+    )  # fmt: skip
     # each entry carries the data slots' shared state after its round; a joiner takes the
     # last one it replays (none of the members' own reads)
     loader = run.loader

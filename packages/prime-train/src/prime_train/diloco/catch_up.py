@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from prime_ckpt import PeerError, fetch_side_file, list_side_files
 from prime_train.diloco.membership import Membership
-from prime_train.diloco.replay_log import BadEntry, Entry, entry_name, parse_name
+from prime_train.diloco.replay_log import BadEntry, Entry, entry_key, entry_name, parse_name
 
 if TYPE_CHECKING:
     from prime_train.diloco.snapshot import JoinRecord
@@ -160,7 +160,7 @@ def fetch_entries(
             name = entry_name(outer, rank)
             try:
                 data = fetch_side_file(url, name, token, TIMEOUT_S)
-                Entry.decode(data)  # its own checksum: a torn or corrupt one is refused
+                Entry.decode(data, entry_key(token))  # a torn, corrupt or forged one: refused
             except (PeerError, BadEntry) as e:
                 errors.append(f"{node_id}: {e}")
                 continue
@@ -187,9 +187,15 @@ def fetch_entries(
     return Fetched(steps, False, total, time.monotonic() - t0, used)
 
 
-def read_entry(folder: Path, outer_step: int, rank: int) -> Entry:
+def read_entry(folder: Path, outer_step: int, rank: int, key: bytes) -> Entry:
     """A fetched entry (checked again: it was written by this process, but disks fail)."""
-    return Entry.decode((folder / entry_name(outer_step, rank)).read_bytes())
+    return Entry.decode((folder / entry_name(outer_step, rank)).read_bytes(), key)
+
+
+def log_key(run: Run) -> bytes:
+    """The key of this run's update-log entries (`replay_log.entry_key` of its token)."""
+    token = run.cfg.mesh.token
+    return entry_key(token.get_secret_value() if token else None)
 
 
 def on_primary(run: Run, fn):
@@ -208,7 +214,7 @@ def replay_fetched(
     ranks, rank = run.placement.world_size, run.placement.rank
     problem, last = None, None
     for o in got.outer_steps:
-        entry = read_entry(folder, o, rank)
+        entry = read_entry(folder, o, rank, log_key(run))
         problem = outer.replay(entry)  # type: ignore[attr-defined]
         if problem is not None:
             break

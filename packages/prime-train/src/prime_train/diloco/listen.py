@@ -64,6 +64,7 @@ from prime_train.diloco.catch_up import (
     Fetched,
     Holder,
     fetch_entries,
+    log_key,
     on_primary,
     replay_fetched,
 )
@@ -275,7 +276,7 @@ class Listener:
         self.count += 1
         rank = self.outer.local_rank
         entry = Entry(self.count, self.step, rank, "", "", update)
-        (self.folder / str(self.count)).write_bytes(entry.encode())
+        (self.folder / str(self.count)).write_bytes(entry.encode(log_key(self.run)))
         self.kept.append(_Kept(self.count, got.consumed, tuple(self.outer.mesh.global_members)))
 
     def _catch_up(self) -> None:
@@ -295,7 +296,7 @@ class Listener:
                 continue
             self.applied += 1
             path = self.folder / str(kept.outer_step)
-            self.outer.apply_update(Entry.decode(path.read_bytes()).update)
+            self.outer.apply_update(Entry.decode(path.read_bytes(), log_key(self.run)).update)
             if data is not None and kept.consumed is not None:
                 data.commit(kept.consumed, kept.members)  # as the members moved them
         if self.outer.fragments.count > 1:  # its local weights: the outer ones, as `enter`'s

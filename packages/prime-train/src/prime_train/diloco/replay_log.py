@@ -15,6 +15,10 @@ close to the uint8 bytes themselves.
 An entry also carries `shared`, an opaque msgpack-able dict of the state all members share
 after that round (data-slot positions, ...): restored on the joiner after replay.
 
+Each entry is authenticated as checkpoint files are: its header holds an HMAC-SHA256 of the
+body keyed with the run's token (`entry_key`), so a joiner refuses an entry that is torn,
+corrupt or forged by anyone who does not hold the token.
+
 The last `keep` outer steps are kept (plus any a joiner holds through the checkpoint server's
 side-file holds: `held_from`). Files are `outer-<10 digits>-r<rank>.entry`, written under a
 hidden name and renamed, in the node's checkpoint folder's `replay/`; the folder is emptied
@@ -24,6 +28,7 @@ when the process starts (an entry is only ever what this process committed).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import re
 import threading
@@ -39,13 +44,23 @@ import torch
 from prime_train.diloco import update_codec
 
 log = logging.getLogger("prime_train")
-_MAGIC = b"PRIMEUPD2\n"
+_MAGIC = b"PRIMEUPD3\n"  # (3: the checksum became an HMAC keyed with the run's token)
 _NAME_RE = re.compile(r"^outer-(\d{10})-r(\d{1,4})\.entry$")
 _HELD = ".held"  # rank 0 tells the node's other ranks which entries a joiner holds
 
 
 class BadEntry(ValueError):
     """An entry file that is torn, corrupt or of another format."""
+
+
+def entry_key(token: str | None) -> bytes:
+    """The key that authenticates update-log entries: the run's shared secret (empty without
+    one: the HMAC then only detects a torn or corrupt entry)."""
+    return (token or "").encode()
+
+
+def _mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()
 
 
 def entry_name(outer_step: int, rank: int) -> str:
@@ -90,12 +105,12 @@ class Entry:
             )
         return None
 
-    def encode(self) -> bytes:
-        return b"".join(self.parts())
+    def encode(self, key: bytes) -> bytes:
+        return b"".join(self.parts(key))
 
-    def parts(self) -> tuple[bytes, bytes]:
-        """The encoding's header (magic and checksum) and body, to write one after the other
-        (no copy of the body to join them)."""
+    def parts(self, key: bytes) -> tuple[bytes, bytes]:
+        """The encoding's header (magic and the body's HMAC under `key`) and body, to write
+        one after the other (no copy of the body to join them)."""
         body = msgpack.packb(
             {
                 "outer_step": self.outer_step,
@@ -108,17 +123,18 @@ class Entry:
             },
             use_bin_type=True,
         )
-        return _MAGIC + hashlib.sha256(body).digest(), body
+        return _MAGIC + _mac(key, body), body
 
     @classmethod
-    def decode(cls, data: bytes) -> Entry:
-        """The entry in `data`; BadEntry when it is torn or corrupt."""
+    def decode(cls, data: bytes, key: bytes) -> Entry:
+        """The entry in `data`; BadEntry when it is torn, corrupt or not authenticated by
+        `key` (another run's token, or none)."""
         head = len(_MAGIC) + 32
         if not data.startswith(_MAGIC) or len(data) < head:
             raise BadEntry("not an update-log entry")
         body = data[head:]
-        if hashlib.sha256(body).digest() != data[len(_MAGIC) : head]:
-            raise BadEntry("checksum mismatch (torn or corrupt)")
+        if not hmac.compare_digest(_mac(key, body), data[len(_MAGIC) : head]):
+            raise BadEntry("authentication failed (torn, corrupt, or written under another token)")
         try:
             h = msgpack.unpackb(body, raw=False)
             return cls(
@@ -139,11 +155,14 @@ class ReplayLog:
         folder: Path,
         rank: int,
         keep: int,
+        key: bytes,
         held_from: Callable[[], str | None] | None = None,
     ):
-        """`held_from`: the first entry name a joiner holds (local rank 0's checkpoint server;
-        None on the other ranks, which read what rank 0 wrote down)."""
+        """`key`: `entry_key` of the run's token; `held_from`: the first entry name a joiner
+        holds (local rank 0's checkpoint server; None on the other ranks, which read what rank
+        0 wrote down)."""
         self.folder, self.rank, self.keep, self._held_from = Path(folder), rank, keep, held_from
+        self.key = key
         self.folder.mkdir(parents=True, exist_ok=True)
         for p in self.folder.iterdir():  # another process's entries: not this one's history
             parsed = parse_name(p.name.lstrip(".").removesuffix(".tmp"))
@@ -176,7 +195,7 @@ class ReplayLog:
     def _write(self, entry: Entry) -> None:
         name = entry_name(entry.outer_step, self.rank)
         tmp = self.folder / f".{name}.tmp"
-        head, body = entry.parts()
+        head, body = entry.parts(self.key)
         with open(tmp, "wb") as f:
             f.write(head)
             f.write(body)
