@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import wan_chaos_report as report  # noqa: E402
 import wan_chaos_schedule as schedule  # noqa: E402
-from wan_chaos import run_job  # noqa: E402
+from wan_chaos import bed_workdir, run_job  # noqa: E402
 
 CHECKS = ("one_hash_per_outer_step", "no_rollback", "slot_chains", "commit_gaps",
           "processes_exit_0", "no_namespace_or_process_left")  # fmt: skip
@@ -256,19 +254,9 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from prime_netbed import bed_unavailable_reason
-
-    reason = bed_unavailable_reason()
-    if reason:
-        print(f"churn: not running: {reason}")
+    workdir = bed_workdir("churn")
+    if workdir is None:
         return 0
-
-    def stop(signum, _frame):
-        raise SystemExit(128 + signum)  # unwinds through the finally blocks that clean up
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-    workdir = Path(tempfile.mkdtemp(prefix="churn_"))
     results = []
     started = time.time()
     try:

@@ -125,6 +125,24 @@ def run_job(name: str, events: list[schedule.Event], nodes: int, args, workdir: 
     return job, exits, leftovers
 
 
+def bed_workdir(name: str) -> Path | None:
+    """A new working folder for a run on the WAN bed, with SIGTERM and SIGHUP unwinding
+    through the cleanup; None (said why) when the bed cannot be built here (not root)."""
+    from prime_netbed import bed_unavailable_reason
+
+    reason = bed_unavailable_reason()
+    if reason:
+        print(f"{name}: not running: {reason}")
+        return None
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks that clean up
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    return Path(tempfile.mkdtemp(prefix=f"{name}_"))
+
+
 def numel(preset: str) -> int:
     import torch
 
@@ -176,19 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps % args.inner_steps:
         ap.error("--steps must be a multiple of --inner-steps")
 
-    from prime_netbed import bed_unavailable_reason
-
-    reason = bed_unavailable_reason()
-    if reason:
-        print(f"wan_chaos: not running: {reason}")
+    workdir = bed_workdir("wan_chaos")
+    if workdir is None:
         return 0
-
-    def stop(signum, _frame):
-        raise SystemExit(128 + signum)  # unwinds through the finally blocks that clean up
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-    workdir = Path(tempfile.mkdtemp(prefix="wan_chaos_"))
     ok = False
     try:
         print(f"schedule: {' '.join(text.split())}", flush=True)

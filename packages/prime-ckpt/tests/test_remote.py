@@ -14,16 +14,21 @@ from prime_ckpt.remote import RemoteStore
 from prime_testkit import CREDENTIALS, MotoS3, wait_until
 
 
-@pytest.fixture
-def s3(children):
-    """A moto S3 server on a free loopback port (prime_testkit.MotoS3), and one fresh bucket."""
-    server = MotoS3(children)
-    options = {
+def s3_options(server: MotoS3) -> dict:
+    """fsspec options for moto's server with the test credentials."""
+    return {
         "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
         "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         "endpoint_url": server.endpoint,
         "client_kwargs": {"region_name": CREDENTIALS["AWS_DEFAULT_REGION"]},
     }
+
+
+@pytest.fixture
+def s3(children):
+    """A moto S3 server on a free loopback port (prime_testkit.MotoS3), and one fresh bucket."""
+    server = MotoS3(children)
+    options = s3_options(server)
     return f"s3://{server.bucket()}/run", options
 
 
@@ -243,12 +248,7 @@ def test_a_failing_remote_is_counted_at_once_close_is_bounded_and_the_next_start
     0 errors); close(remote_timeout=1) returns with the checkpoint on disk; once the bucket
     exists, the next start uploads that step by itself."""
     server = MotoS3(children)
-    options = {
-        "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        "endpoint_url": server.endpoint,
-        "client_kwargs": {"region_name": CREDENTIALS["AWS_DEFAULT_REGION"]},
-    }
+    options = s3_options(server)
     bucket = f"later{uuid.uuid4().hex[:8]}"
     url = f"s3://{bucket}/run"
     kw = dict(remote=url, remote_options=options, remote_retries=8, remote_backoff=1.0)
