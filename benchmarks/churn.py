@@ -3,7 +3,7 @@ checked from every node's rows.
 
     uv run python benchmarks/churn.py                     # 20 seeds; prints how many held
     uv run python benchmarks/churn.py --seed 7 --runs 1   # replay seed 7's schedule
-    uv run python benchmarks/churn.py --quick --runs 2    # CI's two short seeds
+    uv run python benchmarks/churn.py --quick --runs 2 --faults nan   # CI's two short seeds
 
 Each seed draws a schedule (`draw`) in benchmarks/wan_chaos_schedule.py's language from its
 own random generator: SIGKILL and rerun, SIGTERM and rerun, SIGSTOP past the heartbeat
@@ -129,13 +129,19 @@ def draw(seed: int, events: int, nodes: int, heartbeat_timeout: float) -> str:
 PERTURB, NAN = "PRIME_TRAIN_FAULT_PERTURB_OUTER_AT", "PRIME_TRAIN_FAULT_NAN_AT"
 
 
-def draw_faults(seed: int, nodes: int) -> dict[int, dict[str, str]]:
+def draw_faults(seed: int, nodes: int, kinds: str = "both") -> dict[int, dict[str, str]]:
     """Two of the first nodes misbehave once per process (prime_train.faults): one's outer
     weights are perturbed after an outer step (the vote must find it; it rejoins), another's
-    pseudo-gradient holds a NaN (left out of that round)."""
+    pseudo-gradient holds a NaN (left out of that round). `kinds`: "both", "nan" or "none".
+    A perturbed node is found by the majority of the contributors' hashes: in a round with
+    two contributors there is none, and the longest-standing member's hash wins, whichever
+    is the perturbed one."""
     rng = random.Random(f"faults-{seed}")
     perturbed, nan = rng.sample(range(nodes), 2)
-    return {perturbed: {PERTURB: str(rng.randint(5, 12))}, nan: {NAN: str(rng.randint(5, 12))}}
+    at = rng.randint(5, 12), rng.randint(5, 12)
+    drawn = {perturbed: {PERTURB: str(at[0])}, nan: {NAN: str(at[1])}}
+    keep = {"both": (PERTURB, NAN), "nan": (NAN,), "none": ()}[kinds]
+    return {k: env for k, env in drawn.items() if next(iter(env)) in keep}
 
 
 def split_hashes(job) -> dict[int, list[str]]:
@@ -204,7 +210,7 @@ def check(job, left: list[str], sync_timeout: float) -> dict[str, object]:
 
 def run_seed(seed: int, args, workdir: Path) -> dict:
     text = draw(seed, args.events, args.nodes, args.heartbeat_timeout)
-    args.faults = draw_faults(seed, args.nodes)
+    args.faults = draw_faults(seed, args.nodes, args.faults_drawn)
     faults = ", ".join(f"node{k} {n}={v}" for k, env in args.faults.items() for n, v in env.items())
     print(f"\n== seed {seed}: {text}\n   fault hooks: {faults}", flush=True)
     events = schedule.parse(text, args.nodes)
@@ -242,6 +248,10 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--coordinator-grace", type=float, default=60.0)
     ap.add_argument("--timeout", type=float, default=900.0, help="bound on each run, seconds")
     ap.add_argument("--keep", action="store_true", help="keep the working folders")
+    ap.add_argument(
+        "--faults", dest="faults_drawn", choices=("both", "nan", "none"), default="both",
+        help="fault hooks drawn: a perturbed node and a NaN node (default), the NaN only, none",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         args.events = 6

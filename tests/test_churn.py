@@ -62,6 +62,8 @@ def test_slot_chains_find_a_range_read_twice_and_a_gap():
 def test_one_hash_per_outer_step_but_the_injected_row():
     faults = churn.draw_faults(3, 3)
     assert faults == churn.draw_faults(3, 3) and len(faults) == 2  # two nodes, replayable
+    assert [n for env in churn.draw_faults(3, 3, "nan").values() for n in env] == [churn.NAN]
+    assert churn.draw_faults(3, 3, "none") == {}
     (p,) = [k for k, env in faults.items() if churn.PERTURB in env]
     at = int(faults[p][churn.PERTURB])
     rows = [{**row(k, s, float(s), {}), "outer_sha256": f"h{s}"} for k in range(3)
@@ -87,11 +89,12 @@ def test_commit_gaps_find_a_stretch_without_a_commit():
 def test_two_short_seeds_of_random_churn_hold():
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "churn.py"), "--quick", "--runs", "2",
-         "--seed", "100", "--timeout", "360"],
+         "--seed", "100", "--timeout", "360", "--faults", "nan"],
         capture_output=True, text=True, timeout=840,
     )  # fmt: skip
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-8000:]
     assert "churn: 2 of 2 run(s) held" in out, out[-4000:]
+    assert out.count("PRIME_TRAIN_FAULT_NAN_AT=") == 2, out[-4000:]  # a NaN node in each
     for check in churn.CHECKS:
         assert out.count(f"ok   {check.replace('_', ' ')}") == 2, (check, out[-4000:])
