@@ -41,6 +41,8 @@ FIRST_MAX = 64 << 10  # the first authenticated message: a registration and its 
 CLOSE_GRACE_S = 5.0  # a closing connection's last words (a refusal, "evicted") get this long
 LOG_EVERY_S = 60.0
 
+PEER_CLOSED = "connection closed by peer"  # the ordinary end: a node that exits or dies
+
 
 class Handler(Protocol):
     """What the loop calls, in its thread; `lock` is held around each call."""
@@ -243,7 +245,7 @@ class ConnectionLoop:
             if conn.channel is None and not conn.inbuf and not conn.authenticated:
                 self._drop(conn, "closed before its hello")  # a port probe: nothing to log
             else:
-                self._lost(conn, "connection closed by peer")
+                self._lost(conn, PEER_CLOSED)
             return
         if conn.closing:
             return  # its last words are on their way; what it says now changes nothing

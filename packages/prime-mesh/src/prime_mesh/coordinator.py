@@ -19,7 +19,7 @@ import socket
 import threading
 from typing import Any
 
-from prime_mesh.connections import ConnectionLoop, LoopConn
+from prime_mesh.connections import PEER_CLOSED, ConnectionLoop, LoopConn
 from prime_mesh.departures import DEPART_BATCH_S
 from prime_mesh.membership import Membership, Refused
 from prime_mesh.node import Node
@@ -205,7 +205,8 @@ class Coordinator:
         # A closing coordinator evicts no one: pushing the epochs of its own shutdown would
         # leave the nodes holding epochs that a restarted coordinator numbers again.
         if isinstance(node, Node) and not self._stop.is_set():
-            self.state.evict(node, f"connection of local rank {conn.lr} closed ({why})")
+            cause = "" if why == PEER_CLOSED else f" ({why})"  # (said only when unusual)
+            self.state.evict(node, f"connection of local rank {conn.lr} closed{cause}")
 
     def _dispatch(
         self, conn: LoopConn, node: Node | None, lr: int, msg: dict
