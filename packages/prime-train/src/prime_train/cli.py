@@ -91,6 +91,14 @@ def _export(argv: list[str]) -> int:
     return 0
 
 
+def _exit_0_on_a_stop_while_starting() -> None:
+    """Until the trainer takes over the signals (prime_train.stop), a stop while the heavy
+    modules load has nothing to save: exit 0 as a stop does, not by the signal."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _stopped_while_starting)
+
+
 def _stopped_while_starting(signum: int, _frame: object) -> None:
     print(f"prime-train: {signal.Signals(signum).name} received while starting: nothing to "
           "save yet. Rerun the same command to start again", file=sys.stderr)  # fmt: skip
@@ -153,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         except (MeshError, OSError) as e:  # the status page: extra missing, port taken
             return _fail(str(e))
 
-    # until the trainer takes over the signals (prime_train.stop), a stop while the heavy
-    # modules load has nothing to save: exit 0 as a stop does, not by the signal
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _stopped_while_starting)
+    _exit_0_on_a_stop_while_starting()
     from prime_mesh import MeshError, RunCompleted
     from prime_train.diloco import OuterStepFailed
     from prime_train.rundir import RunDirError
