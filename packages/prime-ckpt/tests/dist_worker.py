@@ -92,7 +92,10 @@ def phase_save2(ctx, root: str) -> dict:
         dist.all_reduce(t, group=group)
     h.wait(timeout=120)
     model, opt = fsdp_model(mesh, seed=0)
-    with CheckpointManager(root / "fsdp", shm_dir=shm, group=group) as mgr:
+    # its own RAM folder: a manager holds one checkpoint in RAM, and a second manager on the
+    # same folder takes it over (dt's step 3 must stay there for phase load2)
+    with CheckpointManager(root / "fsdp", shm_dir=shm.with_name(shm.name + "-fsdp"),
+                           group=group) as mgr:  # fmt: skip
         mgr.save(1, {"model": model.state_dict(), "optim": opt.state_dict()}).wait(120)
     flat = fsdp_flat(model, opt)
     if ctx.rank == 0:
@@ -123,7 +126,10 @@ def phase_load1(ctx, root: str) -> dict:
             assert "w: checkpoint has shape (5, 3)" in str(e), e
     model, opt = fsdp_model(mesh, seed=123)
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    with CheckpointManager(root / "fsdp", shm_dir=shm, group=group) as mgr:
+    # its own RAM folder: a manager holds one checkpoint in RAM, and a second manager on the
+    # same folder takes it over (dt's step 3 must stay there for phase load2)
+    with CheckpointManager(root / "fsdp", shm_dir=shm.with_name(shm.name + "-fsdp"),
+                           group=group) as mgr:  # fmt: skip
         assert mgr.load_latest(sd) == 1
     opt.load_state_dict(sd["optim"])
     expected = np.load(root / "fsdp_expected.npz")
