@@ -16,7 +16,7 @@ coordinator compares them (prime-mesh's round_requests.py):
 import pytest
 
 from prime_mesh import Coordinator
-from prime_testkit import folder_metrics, log_tails, outer_by_step, start_cli_node, wait_until
+from prime_testkit import folder_metrics, log_tails, outer_by_step, start_nodes_in_turn
 
 TOKEN = "divergence-test-token"
 H = 10
@@ -26,18 +26,6 @@ EF = ["--diloco.error_feedback", "true"]  # a joiner must enter with a zero resi
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H}
 
 
-def start_in_turn(children, folders, coord, cache, envs, steps=STEPS, args=()):
-    """Each node in its folder once the coordinator lists the ones before it; `envs`: fault
-    hooks by node index."""
-    procs = []
-    for k, folder in enumerate(folders):
-        node = {**NODE, "steps": steps, "args": list(args)}
-        procs.append(start_cli_node(children, folder, coordinator=coord.address, cache=cache,
-                                    env=envs.get(k, {}), **node))  # fmt: skip
-        wait_until(lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k} registers")
-    return procs
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_node_whose_weights_differ_is_told_and_rejoins(tmp_path, token_cache, children):
@@ -45,7 +33,8 @@ def test_a_node_whose_weights_differ_is_told_and_rejoins(tmp_path, token_cache, 
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
     try:
         env = {"PRIME_TRAIN_FAULT_PERTURB_OUTER_AT": str(PERTURB_AT)}
-        procs = start_in_turn(children, n, coord, token_cache, {2: env}, args=EF)
+        procs = start_nodes_in_turn(children, n, coord, {2: env}, cache=token_cache,
+                                    **{**NODE, "args": EF})  # fmt: skip
         codes = [p.wait(timeout=300) for p in procs]
         events = coord.page_status()["events"]
     finally:
@@ -94,7 +83,8 @@ def test_a_node_with_a_nan_is_left_out_of_one_round(tmp_path, token_cache, child
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     try:
         env = {"PRIME_TRAIN_FAULT_NAN_AT": str(nan_at)}
-        procs = start_in_turn(children, n, coord, token_cache, {1: env}, steps=50)
+        procs = start_nodes_in_turn(children, n, coord, {1: env}, cache=token_cache,
+                                    **{**NODE, "steps": 50})  # fmt: skip
         codes = [p.wait(timeout=240) for p in procs]
         events = coord.page_status()["events"]
     finally:

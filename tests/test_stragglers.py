@@ -14,7 +14,6 @@ import re
 import signal
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,6 +23,7 @@ from prime_testkit import (
     log_tails,
     outer_by_step,
     start_cli_node,
+    start_nodes_in_turn,
     stop_once_contributing,
     wait_until,
 )
@@ -41,25 +41,13 @@ NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H,
 SLOW = {"PRIME_TRAIN_FAULT_SLOW_FACTOR": "5"}
 
 
-def start_nodes(children, folders: list[Path], coord: Coordinator, cache: Path) -> list:
-    """The three nodes, one after the other (three torch starts at once starve heartbeats on
-    two cores), node 2 slowed."""
-    procs = []
-    for k, folder in enumerate(folders):
-        env = SLOW if k == 2 else {}
-        procs.append(start_cli_node(children, folder, coordinator=coord.address,
-                                    cache=cache, env=env, **NODE))  # fmt: skip
-        wait_until(lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k} registers")
-    return procs
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_time_budgeted_rounds_with_a_straggler_resume_exactly(tmp_path, token_cache, children):
     n = [tmp_path / f"node{k}" for k in range(3)]
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
     try:
-        procs = start_nodes(children, n, coord, token_cache)
+        procs = start_nodes_in_turn(children, n, coord, {2: SLOW}, cache=token_cache, **NODE)
         wait_until(lambda: all(STOP_AFTER in outer_by_step(folder_metrics(f)) for f in n)
                    or any(p.poll() is not None for p in procs), 240,
                    what=f"outer step {STOP_AFTER}")  # fmt: skip
@@ -70,7 +58,9 @@ def test_time_budgeted_rounds_with_a_straggler_resume_exactly(tmp_path, token_ca
             p.send_signal(signal.SIGTERM)
         assert [p.wait(timeout=120) for p in procs] == [0, 0, 0], log_tails(tmp_path)
         stopped = [outer_by_step(folder_metrics(f)) for f in n]
-        procs = start_nodes(children, n, coord, token_cache)  # the same commands: resume
+        procs = start_nodes_in_turn(
+            children, n, coord, {2: SLOW}, cache=token_cache, **NODE
+        )  # the same commands: resume
         codes = [p.wait(timeout=300) for p in procs]
     finally:
         coord.close()

@@ -95,14 +95,20 @@ def start_cli_node(
 
 
 def start_nodes_in_turn(
-    children: Children, folders: Sequence[Path], coord: Any, **node: Any
+    children: Children,
+    folders: Sequence[Path],
+    coord: Any,
+    envs: dict[int, dict[str, str]] | None = None,
+    **node: Any,
 ) -> list[subprocess.Popen]:
     """`start_cli_node` in each folder against the in-process coordinator `coord`, each once
     the coordinator lists the ones before it (several torch start-ups at once starve the
-    heartbeats on two cores); 120 s for each to register."""
+    heartbeats on two cores); 120 s for each to register. `envs`: extra environment (fault
+    hooks) by node index."""
     procs = []
     for k, folder in enumerate(folders):
-        procs.append(start_cli_node(children, folder, coordinator=coord.address, **node))
+        env = (envs or {}).get(k, {})
+        procs.append(start_cli_node(children, folder, coordinator=coord.address, env=env, **node))
         wait_until(lambda k=k: len(coord.status()["nodes"]) > k, 120, what=f"node {k} registers")
     return procs
 
