@@ -1,17 +1,11 @@
 """A joiner's snapshot comes from several members at once; a donor killed mid-transfer is
-replaced by the others; a snapshot the update logs no longer reach is replaced by a newer one;
-a node with another model setting is refused with a line naming it; the members report what
-the join cost them (issue #24). Through the CLI, each node its own process in its own folder.
-
-The first test kills a donor while a listener (admitted before its snapshot came) fetches it;
-the second, below, takes the fallback path (the snapshot fetched before it says ready):
+replaced by the others; a node with another model setting is refused with a line naming it;
+the members report what the join cost them (issue #24). Through the CLI, each node its own
+process in its own folder.
 
 Three members cap their serving rate (`mesh.serve_mbit`) so the snapshot takes seconds; a
-fourth node joins; one member is SIGKILLed while the snapshot comes. The members keep one
-round of updates (`diloco.replay_rounds 1`) and the joiner, by a fault hook, lets go of its
-hold on their logs after its first snapshot and waits until the members committed two more
-rounds: the log no longer reaches that snapshot, so it takes a newer one. It enters with the
-surviving members' outer weights.
+fourth node joins and listens while the snapshot comes; the member whose checkpoint it takes
+is SIGKILLed mid-transfer. It enters with the surviving members' outer weights.
 """
 
 import signal
@@ -34,7 +28,7 @@ TOKEN = "join-donors-test-token"
 # ~8.7 MB of checkpoint at 4 Mbit/s per donor: the shared ~5 MB from all three, the joiner's
 # own ~3.5 MB (inner moments) from one: several seconds, long enough to kill a donor mid-way
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": 10,
-        "args": ["--mesh.serve_mbit", "4", "--diloco.replay_rounds", "1"]}  # fmt: skip
+        "args": ["--mesh.serve_mbit", "4"]}  # fmt: skip
 
 
 def transfer_under_way(folder: Path) -> bool:
@@ -46,37 +40,34 @@ def transfer_under_way(folder: Path) -> bool:
     )
 
 
-def waiting_at(log: Path) -> int | None:
-    """The outer step of the snapshot the joiner holds at (the fault hook's line), if yet."""
-    text = log.read_text() if log.exists() else ""
-    marker = "holding after the snapshot of outer step "
-    if marker not in text:
-        return None
-    return int(text.split(marker, 1)[1].split(",", 1)[0])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_listeners_donor_killed_mid_transfer_the_rest_comes_from_the_others(
     tmp_path, token_cache, children
 ):
-    """Early admission: the joiner listens while its snapshot comes from the three members at
-    once; the one whose checkpoint it takes is SIGKILLed mid-transfer. It takes another
-    member's checkpoint of the same step, keeping the shared bytes in, and enters with the
-    survivors' outer weights. 38 s on 2 shared cores."""
+    """The joiner listens while its snapshot comes from the three members at once; the one
+    whose checkpoint it takes is SIGKILLed mid-transfer. It takes another member's checkpoint
+    of the same step, keeping the shared bytes in, and enters with the survivors' outer
+    weights; the survivors' rows of the round that admitted it say so. A node with another
+    model setting, started meanwhile, is refused with a line naming it. 40-60 s on 2 shared
+    cores."""
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
     try:
         members = start_nodes_in_turn(children, [tmp_path / f"node{k}" for k in range(3)], coord,
                                       cache=token_cache, **NODE)  # fmt: skip
-        n1, n3 = tmp_path / "node1", tmp_path / "node3"
+        n1, n2, n3 = tmp_path / "node1", tmp_path / "node2", tmp_path / "node3"
         wait_until(lambda: 2 in outer_by_step(folder_metrics(n1)) or members[1].poll() is not None,
                    240, what="the members' second outer step")  # fmt: skip
         joiner = start_cli_node(children, n3, coordinator=coord.address, cache=token_cache, **NODE)
+        other = {**NODE, "args": [*NODE["args"], "--model.n_layers", "5"]}
+        odd = start_cli_node(children, tmp_path / "odd", coordinator=coord.address,
+                             cache=token_cache, **other)  # fmt: skip
         wait_until(lambda: transfer_under_way(n3) or joiner.poll() is not None, 240,
                    interval=0.02, what="the joiner's snapshot transfer")  # fmt: skip
         listening = "admitted before its snapshot arrived" in (tmp_path / "node3.log").read_text()
         members[0].send_signal(signal.SIGKILL)  # a donor (the first offered: its checkpoint)
         members[0].wait(timeout=30)
+        assert odd.wait(timeout=120) == 1, log_tails(tmp_path)
         survivors = (members[1], members[2], joiner)
         codes = stop_once_contributing(n3, survivors, contributors=3, timeout=240)
     finally:
@@ -87,81 +78,16 @@ def test_a_listeners_donor_killed_mid_transfer_the_rest_comes_from_the_others(
     assert row["listened"] >= 1 and row["snapshots"] == 1, row
     assert len([n for n in row["snapshot_donors"].values() if n > 0]) >= 2, row
     assert "dropped donor" in (tmp_path / "node3.log").read_text(), log_tails(tmp_path)
-    mine, theirs = outer_by_step(folder_metrics(n3)), outer_by_step(folder_metrics(n1))
-    shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
-    assert shared, log_tails(tmp_path)
-    for k in shared:
-        assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_snapshot_from_several_donors_one_killed_and_a_newer_one_taken(
-    tmp_path, token_cache, children
-):
-    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=3).start()
-    release = tmp_path / "release"
-    try:
-        members = start_nodes_in_turn(children, [tmp_path / f"node{k}" for k in range(3)], coord,
-                                      cache=token_cache, **NODE)  # fmt: skip
-        n0, n1, n2, n3 = (tmp_path / f"node{k}" for k in range(4))
-        wait_until(lambda: 2 in outer_by_step(folder_metrics(n1)) or members[1].poll() is not None,
-                   240, what="the members' second outer step")  # fmt: skip
-        assert all(p.poll() is None for p in members), log_tails(tmp_path)
-        joiner = start_cli_node(children, n3, coordinator=coord.address, cache=token_cache,
-                                env={"PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT": str(release)},
-                                **NODE)  # fmt: skip
-        # and a node with another model setting: refused, with a line naming it
-        other = {**NODE, "args": [*NODE["args"], "--model.n_layers", "5"]}
-        odd = start_cli_node(children, tmp_path / "odd", coordinator=coord.address,
-                             cache=token_cache, **other)  # fmt: skip
-        wait_until(lambda: transfer_under_way(n3) or joiner.poll() is not None, 240,
-                   interval=0.02, what="the joiner's snapshot transfer")  # fmt: skip
-        members[0].send_signal(signal.SIGKILL)  # a donor, mid-transfer
-        members[0].wait(timeout=30)
-        log3 = tmp_path / "node3.log"
-        wait_until(lambda: waiting_at(log3) is not None or joiner.poll() is not None, 240,
-                   what="the joiner's first snapshot")  # fmt: skip
-        at = waiting_at(log3)
-        assert at is not None, log_tails(tmp_path)
-        # the members commit two more rounds after the joiner let its hold go: the first one
-        # written prunes every entry before it (one kept), the second is a margin for the
-        # background thread that writes entries after the round's metrics row
-        now = max(outer_by_step(folder_metrics(n1)), default=0)
-        wait_until(lambda: max(outer_by_step(folder_metrics(n1)), default=0) >= now + 2
-                   or members[1].poll() is not None, 240, what="two more outer steps")  # fmt: skip
-        release.touch()
-        assert odd.wait(timeout=120) == 1, log_tails(tmp_path)
-        survivors = (members[1], members[2], joiner)
-        # (the joiner's own rows: three members did before the kill)
-        codes = stop_once_contributing(n3, survivors, contributors=3, timeout=240)
-    finally:
-        coord.close()
-    assert codes == [0, 0, 0], log_tails(tmp_path)
-    joined = [r for r in folder_metrics(n3) if r.get("joined")]
-    assert len(joined) == 1, log_tails(tmp_path)
-    row = joined[0]
-    served = {who: n for who, n in row["snapshot_donors"].items() if n > 0}
-    assert len(served) >= 2, row  # the snapshot came from several members
-    assert row["snapshots"] >= 2, row  # the first fell out of the replay window
-    log = log3.read_text()
-    assert "dropped donor" in log, log[-3000:]  # the killed one, mid-transfer
-    assert "no longer reach" in log, log[-3000:]
-    # the members say what admitting it cost them, on the row of each round that admitted it
-    # (twice when, admitted late, it listened and found its backlog pruned: it left and asked
-    # again with a newer snapshot)
-    for m in (n1, n2):
+    refused = (tmp_path / "odd.log").read_text()
+    assert "model.n_layers is 5 here, unset in the run" in refused, refused[-2000:]
+    for m in (n1, n2):  # what admitting it cost them, on the row of the round that admitted it
         admitting = [r for r in outer_by_step(folder_metrics(m)).values() if r.get("admitted")]
         assert admitting and all(r["admitted"] == ["node3"] for r in admitting), admitting
         assert all(r["join_seconds"] >= 0 for r in admitting), admitting
-    refused = (tmp_path / "odd.log").read_text()
-    assert "model.n_layers is 5 here, unset in the run" in refused, refused[-2000:]
-    # its first committed outer step, and every later one, has the survivors' hash
     mine = outer_by_step(folder_metrics(n3))
-    assert mine, log_tails(tmp_path)
-    for m in (n1, n2):
+    for m in (n1, n2):  # its first committed outer step, and every later one, has theirs
         theirs = outer_by_step(folder_metrics(m))
-        shared = [k for k in mine if k in theirs]
-        assert min(mine) in shared and len(shared) >= 2, log_tails(tmp_path)
+        shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
+        assert mine and min(mine) in shared, log_tails(tmp_path)
         for k in shared:
             assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))

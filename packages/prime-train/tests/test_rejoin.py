@@ -8,6 +8,7 @@ import pytest
 from prime_mesh import CoordinatorLost, MeshError, MeshEvicted
 from prime_train.config import Config
 from prime_train.config_load import load_config
+from prime_train.diloco import JoinedLate
 from prime_train.diloco.rejoin import (
     MEMBERSHIP_LOST,
     LeftOutTooOften,
@@ -45,7 +46,8 @@ def test_default_bound_and_it_is_machine_local():
 
 
 def test_the_losses_that_trigger_a_rejoin():
-    assert set(MEMBERSHIP_LOST) == {MeshEvicted, CoordinatorLost}
+    # (JoinedLate: a round's header says this member lacks rounds the others applied)
+    assert set(MEMBERSHIP_LOST) == {MeshEvicted, CoordinatorLost, JoinedLate}
 
 
 @pytest.mark.parametrize("allowed", [0, 2])

@@ -10,19 +10,16 @@ environment itself.
 | `PRIME_TRAIN_FAULT_STALL_AT_STEP`, `PRIME_TRAIN_FAULT_STALL_S`, `PRIME_TRAIN_FAULT_STALL_UNTIL` | before inner step K, the training thread blocks, once, for S seconds or until the file PATH exists, whichever comes first, while the mesh's heartbeat thread goes on: a node stuck but alive, which only the sync timeout leaves out |
 | `PRIME_TRAIN_FAULT_STALL_AFTER_VOTE` | with `PRIME_TRAIN_FAULT_STALL_S` (and `_UNTIL`): once the commit vote of outer step N has passed, the training thread blocks, once, before it records the round: the others may leave the node out meanwhile, and it learns of that eviction only after its round committed |
 | `PRIME_TRAIN_FAULT_SLOW_FACTOR` | every inner step takes about N times as long (the training thread sleeps N - 1 times the step's own time after it): a node on a slower machine |
-| `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner that caught up waits this many seconds before its first `ready()`, so that the members commit meanwhile and it is admitted late |
-| `PRIME_TRAIN_FAULT_HOLD_LISTENING_S` | a listener (`diloco/listen.py`) that loaded its snapshot goes on listening (keeping each round, catching up with none) for at most this many seconds, or until it stops listening (sent away, say), once per process: as if its backlog were slow to come, so that a test can restart the coordinator while it holds its state and kept rounds |
+| `PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S` | a joiner waits this many seconds before its first `ready()`, so that a test can stop it before it is admitted |
 | `PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS` | a listener's Nth round after the one that admitted it: its all-reduce counts as failed on it alone, and its ballot goes out 1 s late, once per process: the members, who do not wait for a listener's ballot, commit without it, and it learns that it lacks the round's update |
 | `PRIME_TRAIN_FAULT_PERTURB_OUTER_AT` | once this node applied outer step N, it adds 0.001 to the first of its outer weights, once per process, before it hashes them: a node whose weights silently differ from the others' |
 | `PRIME_TRAIN_FAULT_NAN_AT` | the pseudo-gradient this node computes for outer step N holds a NaN, once per process: a node whose numbers went bad |
-| `PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT` | a joiner that loaded its first snapshot lets go of its hold on the members' update logs and waits until the file PATH exists (at most 600 s), so that a test can let the members prune the entries it needs: the log no longer reaches its snapshot |
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 
@@ -101,62 +98,6 @@ def delay_first_ready(log: Log | None) -> None:
         if log is not None:
             log.info(f"holding ready() for {delay:g} s")
         time.sleep(delay)
-
-
-WAIT_AFTER_SNAPSHOT_ENV = "PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT"
-_wait_after_snapshot = [os.environ.get(WAIT_AFTER_SNAPSHOT_ENV)]  # used up by the first join
-NOTHING_HELD = 10**9  # an outer step no run reaches: a hold from there keeps no entry
-
-
-def waits_after_snapshot() -> bool:
-    """Whether the `wait_after_snapshot` hook is still to come (a joiner then fetches its
-    snapshot before it says ready, the path it takes again after a failed listen)."""
-    return bool(_wait_after_snapshot[0])
-
-
-def wait_after_snapshot(log: Log | None, holder: Any, outer_step: int) -> None:
-    """`PRIME_TRAIN_FAULT_JOIN_WAIT_AFTER_SNAPSHOT`: after the first snapshot (of outer step
-    `outer_step`), move the joiner's hold (`catch_up.Holder`, None on other local ranks) past
-    every entry, so the members may prune, and wait for the file (bounded)."""
-    path, _wait_after_snapshot[0] = _wait_after_snapshot[0], None
-    if not path:
-        return
-    if holder is not None:
-        holder.first = NOTHING_HELD
-        holder.renew()
-    if log is not None:
-        log.info(f"fault hook: holding after the snapshot of outer step {outer_step}, no hold")
-    end = time.monotonic() + 600.0
-    while time.monotonic() < end and not os.path.exists(path):
-        time.sleep(0.2)
-
-
-HOLD_LISTENING_ENV = "PRIME_TRAIN_FAULT_HOLD_LISTENING_S"
-_hold_listening = [_seconds(HOLD_LISTENING_ENV), 0.0]  # [seconds, its end]: once
-
-
-def holds_listening(log: Log | None, outer_step: int) -> bool:
-    """`PRIME_TRAIN_FAULT_HOLD_LISTENING_S`: whether a listener that loaded its snapshot (of
-    outer step `outer_step`) must keep listening this round instead of catching up."""
-    seconds, end = _hold_listening
-    if not seconds:
-        return False
-    if not end:
-        _hold_listening[1] = end = time.monotonic() + seconds
-        if log is not None:
-            log.info(
-                f"fault hook: listening on for at most {seconds:g} s after the snapshot of "
-                f"outer step {outer_step}"
-            )
-    if time.monotonic() < end:
-        return True
-    end_hold_listening()
-    return False
-
-
-def end_hold_listening() -> None:
-    """The listener stopped listening: the `holds_listening` hook is used up."""
-    _hold_listening[0] = 0.0
 
 
 LISTENER_ROUND_FAILS_ENV = "PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS"

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
+
     from prime_mesh import ElasticDeviceMesh
+    from prime_train.diloco.listen import Listener
+    from prime_train.diloco.replay_log import Entry
+    from prime_train.slot_loader import SlotLoader
 
 
 @dataclass
@@ -78,16 +83,54 @@ class OuterStep(Protocol):
 @runtime_checkable
 class ElasticOuterStep(OuterStep, Protocol):
     """An outer step over an elastic mesh: what joining, rejoining and a lost coordinator need
-    (see `prime_train.diloco.join`, `.rejoin` and `.boundary`)."""
+    (`prime_train.diloco.join`, `.rejoin`, `prime_train.outer_boundary`). Joining uses
+    nothing of the outer step but what is declared here."""
+
+    mesh: ElasticDeviceMesh  # this node's registration (`reattach` replaces it)
+    data: SlotLoader | None  # the node's data slots, moved by each committed round
+    listener: Listener | None  # while this node listens (`listen`)
+
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps applied so far in the run (as loaded, replayed or taken)."""
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index in its node (each rank keeps and replays its own shard)."""
 
     def round_end(self, step: int) -> int:
-        """The inner step that ends the round running after inner step `step`: where a joiner
-        that loaded the state of `step` is admitted."""
+        """The inner step that ends the round running after inner step `step`."""
 
     def enter(self, step: int) -> OuterStepReport | None:
-        """A joiner's first round, ending at inner step `step`: it contributes nothing (its
-        model is the outer weights it loaded) and applies the members' averaged update.
-        Raises `JoinedLate` if it was admitted after a later round than the state it loaded."""
+        """A joiner's round ending at inner step `step`: it contributes nothing (its model is
+        the outer weights it holds) and, through its listener, keeps the members' update or,
+        caught up, applies it as they do. None: a round it only kept."""
+
+    def listen(self, listener: Listener | None) -> None:
+        """From the next round this node listens through `listener` (None: it stops)."""
+
+    def round_update(self, count: int) -> torch.Tensor:
+        """The buffer holding a committed round's average: the fragment synced at committed
+        count `count` (the whole model with one fragment)."""
+
+    def apply_update(self, update: torch.Tensor) -> None:
+        """Apply a round's update (one a listener kept) as the next outer step."""
+
+    def replay(self, entry: Entry) -> str | None:
+        """Apply a logged update as the next outer step; None if this rank's shard then has
+        the members' hash, else what differs."""
+
+    def replayed(self, outer_sha256: str) -> None:
+        """After replaying: tell the mesh where this node now is."""
+
+    def restore_shared(self, shared: dict[str, Any]) -> None:
+        """Take the data slots' shared state of the last replayed entry."""
+
+    def settle_loaded(self) -> None:
+        """After loading a snapshot: settle a round it holds finished but unapplied."""
+
+    def take_members_state(self) -> None:
+        """A listener that caught up: its model takes the outer weights, its residual is zero."""
 
     def joiners_waiting(self) -> bool:
         """Whether a node waits to join (it needs the state of the round that starts now)."""

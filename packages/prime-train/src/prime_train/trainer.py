@@ -18,7 +18,10 @@ import torch
 from prime_train import faults
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
-from prime_train.diloco.join import enter_running_job, load_members_state
+from prime_train.diloco.catch_up import log_key
+from prime_train.diloco.join import join_running_job
+from prime_train.diloco.membership import replay_dir
+from prime_train.diloco.replay_log import ReplayLog
 from prime_train.metrics import Log, LogLines
 from prime_train.optim import lr_at
 from prime_train.outer_boundary import OuterBoundary
@@ -133,9 +136,8 @@ def train(
                 node_group=placement.group,
                 data=run.loader,
                 names=[name for name, _ in run.model.named_parameters()],
+                replay_log=replay_log(run),
             )
-        if outer is not None and membership is not None:
-            attach_replay_log(run, outer)
         attach_reporting(cfg, run)
         return train_loop(run, outer)
     finally:
@@ -149,34 +151,21 @@ def train(
         placement.close()
 
 
-def attach_replay_log(run: Run, outer: OuterStep) -> None:
-    """Give a DiLoCo step its update log (`diloco/replay_log.py`), whose entries
-    a joiner holds through this node's checkpoint server (whichever registration is live)."""
-    from prime_train.diloco.catch_up import log_key
-    from prime_train.diloco.membership import replay_dir
-    from prime_train.diloco.replay_log import ReplayLog
-
+def replay_log(run: Run) -> ReplayLog | None:
+    """This node's update log (`diloco/replay_log.py`; None with `diloco.replay_rounds` 0),
+    whose entries a joiner holds through the checkpoint server of whichever registration is
+    live."""
     keep = run.cfg.diloco.replay_rounds
-    if keep <= 0 or not hasattr(outer, "replay_log"):
-        return
+    if keep <= 0:
+        return None
     placement = run.placement
 
     def held_from() -> str | None:
         m = placement.membership
         return m.server.held_from() if m is not None and m.server is not None else None
 
-    outer.replay_log = ReplayLog(  # type: ignore[attr-defined]
-        replay_dir(run.ckpt_dir), placement.rank, keep, log_key(run),
-        held_from if run.primary else None,
-    )  # fmt: skip
-    # each entry carries the data slots' shared state after its round; a joiner takes the
-    # last one it replays (none of the members' own reads)
-    loader = run.loader
-    if callable(getattr(loader, "shared_state", None)):
-        outer.shared_state = loader.shared_state  # type: ignore[attr-defined]
-        outer.restore_shared = (  # type: ignore[attr-defined]
-            lambda shared: loader.load_shared(shared) if shared else None
-        )
+    return ReplayLog(replay_dir(run.ckpt_dir), placement.rank, keep, log_key(run),
+                     held_from if run.primary else None)  # fmt: skip
 
 
 def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
@@ -186,28 +175,23 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
     of a fresh run's step 0."""
     cfg, log = run.cfg, run.log
     membership = run.placement.membership
-    record = None
     if membership is not None and membership.joining and isinstance(outer, ElasticOuterStep):
         if membership.members_seen + 1 > cfg.data.slots:  # no data slot would be left for it
             raise too_many_readers(membership.members_seen + 1, cfg.data.slots)
-        record = load_members_state(run, outer)
-        start = record.step
+        # (a joiner keeps every row of an earlier life: all precede where the members are)
+        run.metrics.open(cfg.train.steps)
+        start = join_running_job(run, outer)
     else:
         start = run.resume(outer)
         # the members share out the data slots (slots.py); a node alone reads them all
         members = membership.mesh.global_members if membership else [run.placement.node.name]
         run.loader.reassign(members)
-    if start:
-        log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
-    if start >= cfg.train.steps:
-        log.info(f"the run is already complete ({start}/{cfg.train.steps} steps); nothing to do")
-    # (a joiner admitted before its snapshot came keeps every row of an earlier life: all
-    # precede where the members are)
-    run.metrics.open(cfg.train.steps if record is not None and record.pending else start)
-    # (a joiner that fetched the final checkpoint has nothing to enter: the members finished,
-    # and their next sync point, where it would be admitted, never comes)
-    if record is not None and isinstance(outer, ElasticOuterStep) and start < cfg.train.steps:
-        start = enter_running_job(run, outer, record)
+        if start:
+            log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
+        if start >= cfg.train.steps:
+            log.info(f"the run is already complete ({start}/{cfg.train.steps} steps); "
+                     "nothing to do")  # fmt: skip
+        run.metrics.open(start)
     eval_loss = None
     if start == 0:
         eval_loss = run.evaluate_and_record(0)

@@ -104,7 +104,7 @@ class Connection:
         self._pace = pace
         parts = urlsplit(url)
         self._host, self._port = parts.hostname, parts.port
-        self._token = token
+        self.token = token
         self._timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
         self._bufs = [memoryview(bytearray(_READ)) for _ in range(_RING)]
@@ -115,7 +115,9 @@ class Connection:
             self._conn.close()
             self._conn = None
 
-    def _get(self, path: str, range_header: str = "") -> tuple[http.client.HTTPResponse, str]:
+    def get(self, path: str, range_header: str = "") -> tuple[http.client.HTTPResponse, str]:
+        """A signed GET of `path` (with a Range header if given): (the response, the request's
+        nonce, which the response's signature covers)."""
         if self._conn is None:
             self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
             if self._window is not None:
@@ -125,7 +127,7 @@ class Connection:
                 except OSError as e:
                     self.close()
                     raise PeerFailed(f"{self.url}: {type(e).__name__}: {e}") from e
-        headers = sign_request(self._token, "GET", path, range_header)
+        headers = sign_request(self.token, "GET", path, range_header)
         if range_header:
             headers["Range"] = range_header
         try:
@@ -151,13 +153,13 @@ class Connection:
 
     def index(self) -> Offer:
         """The donor's newest checkpoint, with the manifest checked against its digest."""
-        resp, nonce = self._get("/v1/index")
+        resp, nonce = self.get("/v1/index")
         try:
             body = resp.read()
         except (OSError, http.client.HTTPException) as e:
             self.close()
             raise PeerFailed(f"{self.url}: index cut off: {e}") from e
-        if not check_response(self._token, nonce, body, resp.getheader(H_RESP_AUTH)):
+        if not check_response(self.token, nonce, body, resp.getheader(H_RESP_AUTH)):
             raise PeerAuthError(
                 f"peer {self.url} answered without a valid signature: it does not hold the run "
                 "token, or something between us altered the answer"
@@ -192,7 +194,7 @@ class Connection:
         range; `done(mark)` is called as the bytes up to each of `marks` (ascending, inside
         the range) are written, so a caller keeps what arrived before a failure."""
         path = f"/v1/ckpt/{step}/{digest}/{quote(name)}"
-        resp, _ = self._get(path, f"bytes={start}-{end - 1}")
+        resp, _ = self.get(path, f"bytes={start}-{end - 1}")
         expect = f"bytes {start}-{end - 1}/"
         if resp.status != 206 or not (resp.getheader("Content-Range") or "").startswith(expect):
             self.close()

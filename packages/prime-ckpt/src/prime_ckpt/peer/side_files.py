@@ -125,9 +125,9 @@ def list_side_files(
     elif hold:
         path += f"?hold={quote(hold)}"
     try:
-        resp, nonce = conn._get(path)
+        resp, nonce = conn.get(path)
         body = resp.read()
-        if not check_response(conn._token, nonce, body, resp.getheader(H_RESP_AUTH)):
+        if not check_response(conn.token, nonce, body, resp.getheader(H_RESP_AUTH)):
             raise PeerAuthError(f"peer {url} listed its side files without a valid signature")
         files = msgpack.unpackb(body, raw=False)["files"]
         return {str(k): int(v) for k, v in files.items()}
@@ -147,7 +147,7 @@ def fetch_side_file(
         raise ValueError(f"bad side-file name {name!r}")
     conn = Connection(normalize_url(url), resolve_token(token), timeout)
     try:
-        resp, _ = conn._get(f"/v1/files/{quote(name)}")
+        resp, _ = conn.get(f"/v1/files/{quote(name)}")
         length = int(resp.getheader("Content-Length") or -1)
         body = resp.read()
         if length >= 0 and len(body) != length:

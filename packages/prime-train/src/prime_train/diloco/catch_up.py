@@ -30,7 +30,7 @@ from prime_train.diloco.membership import Membership
 from prime_train.diloco.replay_log import BadEntry, Entry, entry_key, entry_name, parse_name
 
 if TYPE_CHECKING:
-    from prime_train.diloco.snapshot import JoinRecord
+    from prime_train.diloco.join_state import Joining
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
 
@@ -207,15 +207,15 @@ def on_primary(run: Run, fn):
 
 
 def replay_fetched(
-    run: Run, outer: ElasticOuterStep, record: JoinRecord, got: Fetched, folder: Path, t0: float
+    run: Run, outer: ElasticOuterStep, joining: Joining, got: Fetched, folder: Path, t0: float
 ) -> str | None:
     """Every local rank replays its fetched entries (`got`, in `folder`); None when all
-    matched the members' hashes (the record then says so), else the first mismatch."""
+    matched the members' hashes (the join's row then counts them), else the first mismatch."""
     ranks, rank = run.placement.world_size, run.placement.rank
     problem, last = None, None
     for o in got.outer_steps:
         entry = read_entry(folder, o, rank, log_key(run))
-        problem = outer.replay(entry)  # type: ignore[attr-defined]
+        problem = outer.replay(entry)
         if problem is not None:
             break
         last = entry
@@ -229,11 +229,12 @@ def replay_fetched(
     if problem is not None:
         return problem
     assert last is not None
-    outer.replayed(last.outer_sha256)  # type: ignore[attr-defined]
-    record.replayed += len(got.outer_steps)
-    record.replay_bytes += got.bytes
-    record.replay_seconds += time.monotonic() - t0
-    record.replay_donors = sorted(set(record.replay_donors) | got.donors)
-    record.step, record.shared = last.step, last.shared
-    outer.restore_shared(last.shared)  # type: ignore[attr-defined]
+    outer.replayed(last.outer_sha256)
+    row = joining.row
+    row.replayed += len(got.outer_steps)
+    row.replay_bytes += got.bytes
+    row.replay_seconds += time.monotonic() - t0
+    row.replay_donors = sorted(set(row.replay_donors) | got.donors)
+    joining.step = last.step
+    outer.restore_shared(last.shared)
     return None

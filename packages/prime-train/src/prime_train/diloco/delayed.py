@@ -241,7 +241,7 @@ class DelayedDiloco(Diloco):
             if self.data is not None:
                 self.data.drop()
             return None
-        if rnd["late"] or self.listen_first or self.listener is not None:
+        if rnd["late"] or self.listener is not None:
             got = Averaged(None, None, int(rnd["contributors"]), late=rnd["late"] or None,
                            consumed=rnd["consumed"], behind=int(rnd["behind"]),
                            members_step=int(rnd["members_step"]) or None)  # fmt: skip

@@ -68,7 +68,7 @@ class Fragments:
             members = [i for i, x in enumerate(ids) if x == f]
             n = sum(local_tensor(optimizer.params[i]).numel() for i in members)
             self.spans.append((offset, offset + n))
-            self.parts.append(_part(optimizer, members, offset, offset + n))
+            self.parts.append(optimizer.fragment(members, offset, offset + n))
             offset += n
 
     def index(self, outer_steps: int) -> int:
@@ -92,23 +92,6 @@ class Fragments:
     def numel(self, f: int) -> int:
         a, b = self.spans[f]
         return b - a
-
-
-def _part(optimizer: OuterOptimizer, members: list[int], a: int, b: int) -> OuterOptimizer:
-    """An OuterOptimizer over parameters `members` of `optimizer`, whose buffers are the
-    slices [a, b) of its own: `compute_pseudo_gradient`, `apply`, `load_into_model` and
-    `digest` then act on that fragment alone."""
-    part = object.__new__(OuterOptimizer)
-    part.params = [optimizer.params[i] for i in members]
-    part.lr, part.momentum = optimizer.lr, optimizer.momentum
-    part.weights = optimizer.weights[a:b]
-    part.pseudo_gradient = optimizer.pseudo_gradient[a:b]
-    part.momentum_buffer = optimizer.momentum_buffer[a:b]
-    views: list[Tensor] = optimizer._weight_views  # noqa: SLF001 (the same buffers, sliced)
-    grads: list[Tensor] = optimizer._gradient_views  # noqa: SLF001
-    part._weight_views = [views[i] for i in members]
-    part._gradient_views = [grads[i] for i in members]
-    return part
 
 
 def build(

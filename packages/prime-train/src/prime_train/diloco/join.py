@@ -1,348 +1,214 @@
-"""Joining a running job through live checkpoint recovery, start to finish: register, fetch,
-catch up, enter. A new node, one restarted after it died, and one rejoining by itself after it
-lost its membership (`diloco/rejoin.py`) all take this path.
+"""Joining a running job: the one way in, for every case.
 
-1. Register (`diloco.membership.register`, while the placement is built, before the model:
-   the node's index comes from it): a node that finds live members registers *waiting*
-   (`Membership.join`): the members never wait for it.
-2. Every member keeps the committed updates of its last `diloco.replay_rounds` rounds (its
-   update log, `diloco/replay_log.py`) and serves them beside its checkpoints; while a node
-   waits, and at a round that admitted one, members also checkpoint at the outer boundary
-   (the outer step's `joiners_waiting`).
-3. DiLoCo with one fragment, synchronous or delayed (`listening`): the joiner says `ready()` at once and listens from the
-   members' next sync point while its snapshot comes in the background (`listen.admit_first`,
-   `diloco/listen.py`); steps 3-4 below are then the listener's, done in the background and
-   at the round its snapshot is in. Otherwise (fragments > 1, or catching up again after a
-   failed listen): fetch (`fetch_members_state`, on the node's local rank 0): the joiner fetches a donor's
-   newest checkpoint (`prime_ckpt.fetch_from_peer`: verified, resumable, under the donor's
-   serving cap) at its own pace, however many rounds that takes, into its own checkpoint
-   folder (nothing is removed before it verifies). Meanwhile it holds the donors' log entries
-   (`catch_up.Holder`) so the ones it will need are not pruned.
-4. Load (`load_members_state`): every local rank loads the checkpoint; a joiner that listens
-   then says `ready()` at once (the rounds since come in step 5). Another first replays
-   the members' committed updates since it (`catch_up`), each checked against the members'
-   outer weights' hash, until the donors offer no newer one. A log that no longer reaches the
-   checkpoint, or a hash that differs, takes a newer checkpoint (a second mismatch exits with
-   a line naming it).
-5. Enter (`enter_running_job`): the members admit it at their next sync point. The joiner takes
-   its first round at once (the outer step's `enter`), contributing nothing; the members average over the nodes that
-   contributed, and all apply the same update to the same outer weights: the same bits
-   everywhere. A listener (admitted before its snapshot, or late after loading one) stays a
-   member contributing nothing (`diloco/listen.py`, the outer step's `listen_late`): it keeps
-   each round's update while its snapshot and backlog come in the background, then replays
-   them and enters with the members' outer weights; the members never wait for its transfer. A
-   joiner that cannot listen (fragments > 1) instead replays the rounds it missed at once, as a member, and takes the round with
-   them (`log_replay.replay_in_place`, the outer step's `late_catch_up`). If either cannot, it leaves,
-   registers again, replays the rounds since and asks again (`JoinedLate` only after
-   `MAX_LATE` such tries).
+A fresh node, a node run again after it was killed, a woken or cut-off node, a node left out
+of a round, a node whose weights differed (the vote evicts it), a listener sent away by a
+restarted coordinator and a joiner evicted before it was admitted all go through
+`join_running_job`, and it does one thing:
 
-What happened is one typed record, `JoinRecord`, logged and written as the entry's metrics row.
-The snapshot's fetch is `diloco/snapshot.py`; fetching and holding log entries, `catch_up.py`.
+1. Register as a joiner (`diloco.membership`; a rerun node is registered by its placement,
+   every other case registers again here, `register_again`): the members never wait for it.
+2. Say `ready()` at once: the members admit it at their next sync point. Meanwhile local
+   rank 0 fetches a snapshot (the members' first checkpoint after it said ready, made at the
+   boundary that admitted it: `diloco/snapshot.py`) in the background, and holds the
+   members' update logs from there on (`catch_up.Holder`).
+3. Listen (`diloco/listen.py`): each round it takes part in the all-reduce contributing
+   nothing and keeps the committed update; once the snapshot is in it loads it, replays the
+   logged rounds between the snapshot and the first kept one (checked against the members'
+   hash), then the kept rounds, and applies that round's update with the members: its outer
+   weights are theirs, bit for bit, and it contributes from the next round.
+
+If it loses its place on the way (evicted, the coordinator restarted, a round it cannot use:
+`JoinedLate`), it stops listening, drops what it kept and goes back to step 1, at most
+`MAX_TRIES` times. What the join did is one `joined` metrics row (`join_state.JoinedRow`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import TYPE_CHECKING
 
-from prime_mesh import CoordinatorLost, MeshEvicted
+from prime_mesh import CoordinatorLost, MeshEvicted, MeshTimeout, RunCompleted
 from prime_train import faults
-from prime_train.diloco.catch_up import (
-    Holder,
-    on_primary,
-)
+from prime_train.diloco.catch_up import Holder, on_primary
+from prime_train.diloco.join_state import JoinedRow, Joining
 from prime_train.diloco.late_joiner import JoinedLate
-from prime_train.diloco.listen import Listener, admit_first
-from prime_train.diloco.log_replay import catch_up, listening, replay_in_place, replaying
+from prime_train.diloco.listen import Listener
 from prime_train.diloco.register_again import register_again
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
     Background,
-    JoinRecord,
-    fetch_members_state,
-    load_state,
+    JoinFailed,
+    fetch_rate,
     shared_tensors,
 )
-from prime_train.seam import ElasticOuterStep, OuterStepReport
 
 if TYPE_CHECKING:
     from prime_train.run import Run
+    from prime_train.seam import ElasticOuterStep, OuterStepReport
 
-MAX_LATE = 10  # admissions a round too late (then catching up again) before giving up
+MAX_TRIES = 10  # tries that lost their place (then joining again) before giving up
 LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
+LOST = (MeshEvicted, CoordinatorLost, JoinedLate)  # a try lost its place: join again
 
 
-def load_members_state(
-    run: Run, outer: ElasticOuterStep, rejoined: int | None = None
-) -> JoinRecord:
-    """Steps 3 and 4: fetch a member's checkpoint into this node's folder, load it (every
-    local rank), replay the committed updates since, then say `ready()`. `rejoined`: the
-    count, for a rejoin by itself. A node evicted before it was admitted (stalled or cut off
-    past the heartbeat timeout while it fetched or waited) registers again and starts over,
-    at most `MAX_LATE` times."""
-    for tries in range(1, MAX_LATE + 2):
+def join_running_job(
+    run: Run,
+    outer: ElasticOuterStep,
+    lost: BaseException | None = None,
+    rejoined: int | None = None,
+) -> int:
+    """Join the running job (module doc); returns the inner step the loop continues from.
+    `lost`: why this node lost its membership (None: it is registered as a joiner already);
+    `rejoined`: the count, for a node rejoining by itself."""
+    row = JoinedRow(rejoined=rejoined)
+    started = time.monotonic()
+    for tries in range(1, MAX_TRIES + 2):
+        if lost is not None:
+            _register_again(run, outer, lost)
+        joining = Joining(row, started)
+        listener = Listener(run, outer, joining)
         try:
-            return _load_members_state(run, outer, rejoined)
-        except (MeshEvicted, CoordinatorLost) as e:
-            if tries > MAX_LATE:
+            step = _listen_and_enter(run, outer, joining, listener)
+        except LOST as e:
+            _end(outer, joining, listener, again=True)
+            if tries > MAX_TRIES:
                 raise
+            row.late_admissions += 1
             run.log.warn(
-                f"lost its place before it was admitted ({type(e).__name__}: {e}); "
-                f"registering again and joining again ({tries} of at most {MAX_LATE})"
+                f"lost its place while joining ({type(e).__name__}: {e}); registering again "
+                f"and listening again ({tries} of at most {MAX_TRIES})"
             )
-            membership = run.placement.membership
-            assert membership is not None
-            membership.close()
-            membership = register_again(run, e)
-            run.placement.membership = membership
-            outer.reattach(membership.mesh)
+            lost = e
+        except BaseException:  # a stop or an error: the process ends, nothing waits
+            _end(outer, joining, listener, again=False)
+            raise
+        else:
+            _end(outer, joining, listener, again=False)
+            return step
     raise AssertionError("unreachable")
 
 
-def _load_members_state(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
-    membership = run.placement.membership
-    assert membership is not None and membership.joining
-    if listening(outer) and not faults.waits_after_snapshot():
-        return admit_first(run, outer, rejoined)
-    replay = replaying(outer)
-    holder = Holder(membership) if replay and run.primary else None
-    with contextlib.ExitStack() as stack:
-        if holder is not None:
-            stack.enter_context(holder)
-        record: JoinRecord = on_primary(
-            run,
-            lambda: fetch_members_state(
-                membership,
-                run.ckpt_dir,
-                run.log,
-                fresh=not replay,
-                shared=shared_tensors(run.cfg.diloco.overlap),
-            ),
-        )
-        record.rejoined = rejoined
-        load_state(run, outer, record)
-        if replay:
-            faults.wait_after_snapshot(run.log, holder, outer.outer_steps)  # type: ignore[attr-defined]
-        if replay and not listening(outer):  # (a listener fetches them while it listens)
-            catch_up(run, outer, record, holder)
-        if listening(outer):  # a listener's backlog stays pinned (`enter_running_job` ends it)
-            record.holder = holder
-            stack.pop_all()
-    run.progress["step"] = record.step
-    faults.delay_first_ready(run.log)
-    membership.mesh.ready()
-    mbps = record.bytes / 1e6 / record.seconds if record.seconds else float("inf")
-    run.log.info(
-        f"fetched the step-{record.snapshot_step} checkpoint from {record.donor}: "
-        f"{record.bytes / 1e6:.2f} MB in {record.seconds:.2f} s ({mbps:.1f} MB/s), "
-        f"loaded in {record.load_seconds:.2f} s"
-        + (
-            f"; replayed {record.replayed} committed update(s) to step {record.step} "
-            f"({record.replay_bytes / 1e6:.2f} MB from {record.replay_donors}) in "
-            f"{record.replay_seconds:.2f} s"
-            if replay
-            else ""
-        )
-        + "; ready, admitted at the members' next outer step"
-    )
-    return record
-
-
-def _catch_up_again(
-    run: Run, outer: ElasticOuterStep, record: JoinRecord, late: BaseException
-) -> None:
-    """Admitted a round late (or sent away by a restarted coordinator): leave, register again
-    (waiting), replay the rounds since, and say ready again. The members committed without
-    waiting; this node's state is unchanged."""
+def _register_again(run: Run, outer: ElasticOuterStep, lost: BaseException) -> None:
+    """Leave what is left of the old membership and register as a joiner (waiting)."""
     membership = run.placement.membership
     assert membership is not None
-    membership.close()
-    record.pending = None  # (a listener whose snapshot never came: it takes a newer one)
-    membership = register_again(run, late)
-    run.placement.membership = membership
-    outer.reattach(membership.mesh)
-    _end_hold(record)
-    holder = Holder(membership) if run.primary else None
-    with contextlib.ExitStack() as stack:
-        if holder is not None:
-            stack.enter_context(holder)
-        catch_up(run, outer, record, holder, need=outer.outer_steps + 1)  # type: ignore[attr-defined]
-        if listening(outer):
-            record.holder = holder
-            stack.pop_all()
-    run.progress["step"] = record.step
-    membership.mesh.ready()
-
-
-def _listen_again(
-    run: Run, outer: ElasticOuterStep, record: JoinRecord, lost: BaseException
-) -> JoinRecord:
-    """A listener without state yet, sent away (a restarted coordinator re-formed the run
-    without it): register again and listen again from the members' next sync point, with a
-    new snapshot in the background. Its timeline keeps its first start."""
-    membership = run.placement.membership
-    assert membership is not None
-    membership.close()
-    record.pending = None
-    _end_hold(record)
+    try:
+        membership.close()
+    except Exception as e:  # an evicted node's connection is already gone: nothing to leave
+        run.log.info(f"closing the old membership: {type(e).__name__}: {e}")
+    t0 = time.monotonic()
     membership = register_again(run, lost)
     run.placement.membership = membership
     outer.reattach(membership.mesh)
-    again = admit_first(run, outer, record.rejoined)
-    again.started, again.late = record.started, record.late
-    return again
+    run.log.info(
+        f"registered again as {membership.mesh.node_id} after {time.monotonic() - t0:.1f} s "
+        f"({membership.members_seen} member(s))"
+    )
 
 
-def _stop_listening(outer: ElasticOuterStep, record: JoinRecord) -> None:
-    """A listener that lost its place: it keeps nothing of what it listened to; a snapshot
-    still under way (local rank 0) ends first (bounded by its own timeouts), so that no
-    fetch writes into its folder while it catches up again."""
-    listener = getattr(outer, "listener", None)
-    if listener is not None:
-        listener.close()
-    outer.listen_first = False  # type: ignore[attr-defined]
-    pending = record.pending
-    if isinstance(pending, Background):
-        pending.join(JOIN_TIMEOUT_S)
+def _end(outer: ElasticOuterStep, joining: Joining, listener: Listener, again: bool) -> None:
+    """A try ended (entered, stopped, or lost its place): the outer step stops listening, the
+    listener's files go, the donors may prune again. Before it starts `again`, a snapshot
+    still under way ends first (bounded by its own timeouts), so that nothing writes into
+    the folder meanwhile."""
+    outer.listen(None)
+    listener.close(wait=again)
+    if again and joining.snapshot is not None:
+        joining.snapshot.join(JOIN_TIMEOUT_S)
+        joining.snapshot = None
+    if joining.holder is not None:
+        joining.holder.__exit__(None, None, None)
+        joining.holder = None
 
 
-def _end_hold(record: JoinRecord) -> None:
-    """Release the donors' entries a listener kept pinned (nothing when none)."""
-    if record.holder is not None:
-        record.holder.__exit__(None, None, None)
-        record.holder = None
-
-
-def _listen(run: Run, outer: ElasticOuterStep, step: int) -> OuterStepReport | None:
-    """`outer.enter(step)`, then, while it only listened (`diloco/listen.py`), the members'
-    next rounds (no training: straight to each sync point), until it caught up; None when the run completed
-    meanwhile (or the outer step applied nothing)."""
-    report = outer.enter(step)
+def _listen_and_enter(
+    run: Run, outer: ElasticOuterStep, joining: Joining, listener: Listener
+) -> int:
+    """Steps 2 and 3: ready at once, admitted, listen until caught up; the entry's row."""
+    membership = run.placement.membership
+    assert membership is not None
+    if run.primary:
+        joining.holder = Holder(membership).__enter__()
+        joining.snapshot = Background(membership, run.ckpt_dir,
+                                      shared_tensors(run.cfg.diloco.overlap),
+                                      fetch_rate(run.cfg.mesh))  # fmt: skip
+    outer.listen(listener)
+    faults.delay_first_ready(run.log)
+    membership.mesh.ready()
+    run.log.info(
+        "joining a running job: ready at once, admitted at the members' next sync point; "
+        "the snapshot comes in the background while this node listens"
+    )
+    _wait_admitted(run, joining)
     total = run.cfg.train.steps
-    while report is None and getattr(outer, "listener", None) is not None:
-        done = outer.listener.step  # type: ignore[attr-defined]
-        if done >= total:
-            outer.listener.close()  # type: ignore[attr-defined]
+    report = outer.enter(min(outer.round_end(0), total))
+    while report is None and not listener.caught_up:
+        if listener.step >= total:
             run.log.info(
                 "the run completed while this node waited to join (it listened to the members' "
                 "last rounds); nothing to enter"
             )
-            return None
+            return total
         # no training: straight to the next sync point, which its arrival does not time
-        report = outer.enter(min(outer.round_end(done), total))
-    return report
+        report = outer.enter(min(outer.round_end(listener.step), total))
+    if report is None:  # (caught up in a round that then applied nothing)
+        return min(outer.round_end(listener.step), total)
+    _entered(run, joining, report)
+    return report.step
 
 
-def enter_running_job(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> int:
-    """Step 5: the joiner's first round, ending where the members' round that started from
-    the state it reached ends; returns the step it continues from. Admitted late (the members
-    committed meanwhile), it listens until it has the rounds it missed (`listening`), or
-    replays them in place; if that fails, it catches up again and asks again."""
-    if listening(outer):
-        outer.listen_late = lambda mine, behind: Listener(  # type: ignore[attr-defined]
-            run,
-            outer,
-            record,
-            mine,
-            behind,  # type: ignore[arg-type]
-        )
-    elif replaying(outer):
-        outer.late_catch_up = lambda mine, theirs: replay_in_place(  # type: ignore[attr-defined]
-            run, outer, record, mine, theirs
-        )
-    try:
-        while True:
-            step = min(outer.round_end(record.step), run.cfg.train.steps)
-            try:
-                report = _listen(run, outer, step)
-                if report is None and record.listened:  # the run completed meanwhile
-                    return run.cfg.train.steps
-                break
-            except (MeshEvicted, CoordinatorLost) as e:
-                # a restarted coordinator re-forms the run from the nodes at the newest outer
-                # step: a listener holds none of its own yet, so it is sent away; it catches
-                # up again as a waiting node (its snapshot, if under way, finishes first)
-                if not listening(outer) or record.late >= MAX_LATE:
-                    raise
-                record.late += 1
-                fresh = record.pending is not None  # its snapshot not loaded yet: no state
-                _stop_listening(outer, record)
-                run.log.warn(
-                    f"lost its place while listening ({type(e).__name__}: {e}); registering "
-                    f"again and {'listening' if fresh else 'catching up'} again ({record.late} "
-                    f"of at most {MAX_LATE})"
-                )
-                if fresh:  # as a fresh joiner: admitted at once, its snapshot in the background
-                    record = _listen_again(run, outer, record, e)
-                    continue
-                _catch_up_again(run, outer, record, e)
-                if record.step >= run.cfg.train.steps:
-                    run.log.info("the run completed while this node caught up; nothing to enter")
-                    return record.step
-            except JoinedLate as e:
-                record.late += 1
-                if not replaying(outer) or record.late > MAX_LATE:
-                    raise
-                # (a listener that gave up: its round's all-reduce failed, see `vote`)
-                fresh = listening(outer) and record.pending is not None
-                _stop_listening(outer, record)
-                if fresh:  # no state of its own yet: as a fresh joiner again
-                    run.log.warn(f"{e}; registering again and listening again ({record.late} "
-                                 f"of at most {MAX_LATE})")  # fmt: skip
-                    record = _listen_again(run, outer, record, e)
-                    continue
-                run.log.warn(
-                    f"admitted a round late ({e}); leaving, replaying the rounds since and "
-                    f"asking again ({record.late} of at most {MAX_LATE})"
-                )
-                _catch_up_again(run, outer, record, e)
-                if record.step >= run.cfg.train.steps:  # the run completed meanwhile
-                    run.log.info("the run completed while this node caught up; nothing to enter")
-                    return record.step
-    finally:
-        if replaying(outer):
-            outer.late_catch_up = outer.listen_late = None  # type: ignore[attr-defined]
-        _end_hold(record)
-    # (admitted late and caught up: the members' round, later than the one it asked)
-    step = min(outer.round_end(record.step), run.cfg.train.steps)
-    if record.listened and report is not None:
-        step = report.step
-    admitted = time.monotonic() - record.started
-    startup = record.started - LOADED_AT
+def _entered(run: Run, joining: Joining, report: OuterStepReport) -> None:
+    """The line and the `joined` row of an entry."""
+    row = joining.row
+    admitted = time.monotonic() - joining.started
+    startup = joining.started - LOADED_AT
     run.log.info(
-        ("re" if record.rejoined else "")
-        + f"entered the running job at outer step {report.outer_step if report else '?'} "
-        f"(step {step}), donor {record.donor}: {record.bytes / 1e6:.2f} MB "
-        f"fetched in {record.seconds:.2f} s; timeline: start-up {startup:.1f} s, snapshot "
-        f"{record.seconds:.1f} s, load {record.load_seconds:.1f} s, replay {record.replayed} "
-        f"round(s) in {record.replay_seconds:.1f} s, admitted {admitted:.1f} s after the "
-        f"join began ({record.late} late admission(s))"
+        ("re" if row.rejoined else "")
+        + f"entered the running job at outer step {report.outer_step} (step {report.step}), "
+        f"donor {row.donor}: {row.fetch_bytes / 1e6:.2f} MB fetched in "
+        f"{row.fetch_seconds:.2f} s; timeline: start-up {startup:.1f} s, snapshot "
+        f"{row.fetch_seconds:.1f} s, load {row.load_seconds:.1f} s, replay {row.replayed} "
+        f"round(s) in {row.replay_seconds:.1f} s, admitted {admitted:.1f} s after the join "
+        f"began ({row.late_admissions} late admission(s))"
     )
-    run.metrics.write(
-        {
-            "step": step,
-            "joined": True,
-            "donor": record.donor,
-            "fetched_step": record.snapshot_step,
-            "fetch_bytes": record.bytes,
-            "fetch_seconds": record.seconds,
-            "snapshot_donors": record.snapshot_donors,
-            "load_seconds": record.load_seconds,
-            "startup_seconds": startup,
-            "snapshots": record.snapshots,
-            "replayed": record.replayed,
-            "replay_bytes": record.replay_bytes,
-            "replay_seconds": record.replay_seconds,
-            "replay_donors": record.replay_donors,
-            "late_admissions": record.late,
-            "listened": record.listened,
-            "listened_fetching": record.listened_fetching,
-            "snapshot_rounds": record.snapshot_rounds,
-            "backlog_seconds": record.backlog_seconds,
-            "admitted_seconds": admitted,
-            **({"rejoined": record.rejoined} if record.rejoined else {}),
-        }
-    )
-    run.progress["step"] = step
-    return step
+    run.metrics.write(row.row(report.step, startup, admitted))
+    run.progress["step"] = report.step
+
+
+def _wait_admitted(run: Run, joining: Joining) -> None:
+    """Until the coordinator lists this node as a member (the members' next sync point), or
+    the snapshot's fetch finds the members gone: `RunCompleted` (exit 0) when they finished
+    the run, else `JoinFailed`; `MeshTimeout` past the mesh's `join_timeout` (as its own wait
+    for admission); `MeshEvicted` when it was evicted meanwhile (stalled or cut off): decided
+    on local rank 0 for all ranks."""
+    membership = run.placement.membership
+    assert membership is not None
+    me = membership.mesh.node_id
+    bound = membership.mesh.join_timeout  # (as the mesh's own wait for admission)
+    deadline = None if bound is None else time.monotonic() + bound
+
+    def ask() -> tuple[str, str] | None:
+        failed = joining.snapshot.failed if joining.snapshot is not None else None
+        if isinstance(failed, RunCompleted | JoinFailed):
+            return type(failed).__name__, str(failed)
+        if deadline is not None and time.monotonic() > deadline:
+            return "MeshTimeout", (
+                f"not admitted within the mesh's join_timeout of {bound:g} s (the members' "
+                "sync point never came, or the coordinator stayed away)"
+            )
+        try:
+            members = membership.mesh.members()
+        except MeshEvicted as e:
+            return "MeshEvicted", str(e)
+        except Exception:  # the coordinator briefly away: ask again
+            return None
+        return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
+                                     for m in members) else None  # fmt: skip
+
+    while (got := on_primary(run, ask)) is None:
+        time.sleep(0.2)
+    kind, why = got
+    errors = {"RunCompleted": RunCompleted, "JoinFailed": JoinFailed,
+              "MeshTimeout": MeshTimeout, "MeshEvicted": MeshEvicted}  # fmt: skip
+    if kind in errors:
+        raise errors[kind](why)

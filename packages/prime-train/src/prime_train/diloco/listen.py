@@ -1,6 +1,6 @@
 """A joiner listens: a member that contributes nothing until it holds the run's state, so the
-members never wait for its transfer (synchronous DiLoCo, or `overlap = "delayed"`, with one
-fragment).
+members never wait for its transfer (synchronous DiLoCo or `overlap = "delayed"`; any number
+of fragments).
 
 A joiner says `ready()` as soon as it registered (`diloco/join.py`): the members
 admit it at their next sync point, before its snapshot (their checkpoint) arrives. From that
@@ -43,10 +43,9 @@ model then takes the outer weights of every fragment, as a joiner's entry does (
 
 So its link carries the snapshot once beside the members' all-reduce traffic, however many
 rounds that takes; the kept rounds cost ~1.25 B/param each on its disk for the rounds the
-snapshot takes. A joiner admitted late after loading a snapshot first (the path it takes
-again after a failed listen) listens the same way while its backlog comes. If the snapshot or
-backlog cannot be had (every donor gone, pruned, a hash that differs), it leaves with
-`JoinedLate` and catches up again as a waiting node (`diloco/join.py`).
+snapshot takes. If the snapshot or backlog cannot be had (every donor gone, pruned, a hash
+that differs), it leaves with `JoinedLate` and joins again from the start (`diloco/join.py`):
+registered again, it listens again while a new snapshot comes.
 """
 
 from __future__ import annotations
@@ -54,35 +53,22 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prime_mesh import CoordinatorLost, MeshEvicted, MeshTimeout, RunCompleted
-from prime_train import faults
-from prime_train.diloco.catch_up import (
-    Fetched,
-    Holder,
-    fetch_entries,
-    log_key,
-    on_primary,
-    replay_fetched,
-)
+import torch
+
+from prime_mesh import MeshTimeout
+from prime_train.diloco.catch_up import Fetched, fetch_entries, log_key, on_primary, replay_fetched
 from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.diloco.replay_log import Entry
-from prime_train.diloco.snapshot import (
-    JOIN_TIMEOUT_S,
-    Background,
-    JoinFailed,
-    JoinRecord,
-    fetch_rate,
-    load_snapshot,
-    shared_tensors,
-)
+from prime_train.diloco.snapshot import Snapshot, load_snapshot
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
-    from prime_train.diloco.outer_step import Diloco
+    from prime_train.diloco.join_state import Joining
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
 
@@ -99,16 +85,15 @@ class _Kept:
 
 class Listener:
     """One joiner's listening, from its admission round until it has caught up (module doc).
-    Made by the outer step's `listen_late` hook; `listened` is called each round."""
+    `diloco/join.py` hands it to the outer step (`listen`), whose rounds call `admitted` at
+    the first and `listened` at each."""
 
-    def __init__(self, run: Run, outer: Diloco, record: JoinRecord, mine: int, behind: int):
-        """`mine`: the outer steps this node applied; `behind`: how many more the members
-        applied before the round it was admitted to. With `record.pending` its snapshot is
-        still under way (admitted before it came): `mine` means nothing until it is loaded."""
-        self.run, self.outer, self.record = run, outer, record
-        self.mine, self.count = mine, mine + behind  # `count`: the members', for the header
-        self.loaded = record.pending is None  # its state is a snapshot's (and backlog's)
+    def __init__(self, run: Run, outer: ElasticOuterStep, joining: Joining):
+        self.run, self.outer, self.joining = run, outer, joining
+        self.count: int | None = None  # the members' count (the header's), once admitted
+        self.mine = 0  # the outer steps its own state holds (once its snapshot is loaded)
         self.step = 0  # inner step of the last round it listened to
+        self.caught_up = False
         self.kept: list[_Kept] = []
         self.applied = 0  # kept rounds applied when it caught up (not already in the snapshot)
         self.folder = run.ckpt_dir / f"listened-r{outer.local_rank}"  # this rank's shards
@@ -120,30 +105,25 @@ class Listener:
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
         self._needed = False  # a backlog between its state and the first kept round
-        if self.loaded:
-            record.late += 1
-            self._start_backlog(mine + behind)
-            run.log.info(
-                f"admitted {behind} round(s) late: listening (a member contributing nothing) "
-                f"while outer steps {mine + 1}..{mine + behind} come from the donors in the "
-                "background"
-            )
-        else:
-            if record.holder is not None:  # its snapshot will be of a boundary from here on
-                record.holder.first = max(0, self.count - 2)
-                record.holder.renew()
-            run.log.info(
-                f"admitted before its snapshot arrived: listening (a member contributing "
-                f"nothing) from outer step {self.count + 1} while the snapshot comes in the "
-                "background"
-            )
+
+    def admitted(self, count: int) -> None:
+        """Its first round: the members had applied `count` outer steps before it."""
+        self.count = count
+        holder = self.joining.holder
+        if holder is not None:  # its snapshot will be of a boundary from here on
+            holder.first = max(0, count - 2)
+            holder.renew()
+        self.run.log.info(
+            f"admitted before its snapshot arrived: listening (a member contributing nothing) "
+            f"from outer step {count + 1} while the snapshot comes in the background"
+        )
 
     def _start_backlog(self, last: int) -> None:
         """Fetch outer steps mine+1..last in the background (local rank 0)."""
         self._needed = True
         if not self.run.primary:
             return
-        holder = self.record.holder
+        holder = self.joining.holder
         if holder is not None:  # pin the backlog on every donor until it is in
             holder.first = self.mine + 1
             holder.renew()
@@ -163,7 +143,7 @@ class Listener:
             # one download at a time: the all-reduce it takes part in keeps half its link
             got = fetch_entries(membership, self.mine, self.run.placement.world_size,
                                 self.backlog, until=last, one_at_a_time=True)  # fmt: skip
-        except Exception as e:  # any failure: the joiner leaves and catches up again
+        except Exception as e:  # any failure: the joiner leaves and listens again
             self._failed = f"fetching the rounds it missed failed: {type(e).__name__}: {e}"
             return
         if got.outer_steps != want:
@@ -172,24 +152,23 @@ class Listener:
                 f"{want[0]}..{want[-1]} (pruned, or a donor left)"
             )
             return
-        self.record.backlog_seconds = time.monotonic() - t0
+        self.joining.row.backlog_seconds = time.monotonic() - t0
         self._got = got
 
     def collective(self) -> AbstractContextManager[None]:
         """Around the round's all-reduce: the snapshot under way holds (`LinkGate`)."""
-        gate = getattr(self.record.pending, "gate", None)  # (local rank 0's fetch)
-        return gate.held() if gate is not None and not self.loaded else nullcontext()
+        snapshot = self.joining.snapshot  # (local rank 0's fetch)
+        return snapshot.gate.held() if snapshot is not None else nullcontext()
 
-    def _state(self) -> tuple[bool, str | None, Any]:
-        """(backlog in, why it failed, the snapshot's record once in), agreed by the node's
-        local ranks."""
+    def _state(self) -> tuple[bool, str | None, Snapshot | None]:
+        """(backlog in, why it failed, the snapshot once in), agreed by the local ranks."""
 
-        def ask() -> tuple[bool, str | None, Any]:
-            pending = self.record.pending
-            if pending is not None and not self.loaded:
-                if pending.failed is not None:
-                    return False, f"fetching the snapshot failed: {pending.failed}", None
-                return False, None, pending.got if pending.done else None
+        def ask() -> tuple[bool, str | None, Snapshot | None]:
+            snapshot = self.joining.snapshot
+            if snapshot is not None:
+                if snapshot.failed is not None:
+                    return False, f"fetching the snapshot failed: {snapshot.failed}", None
+                return False, None, snapshot.got if snapshot.done else None
             done = not self._needed or (self._thread is not None and not self._thread.is_alive())
             return done, self._failed, None
 
@@ -199,37 +178,38 @@ class Listener:
         """A committed round this node took part in without contributing (its average is in
         the outer step's buffer): keep it (False), or, its state being in, catch up and let
         the round apply as the members' does (True). JoinedLate when it cannot catch up."""
+        assert self.count is not None, "admitted() comes first"
         self.step = step
-        self.record.listened += 1
-        average = self.outer.optimizer.pseudo_gradient.clone()  # loading and replaying reuse it
+        row = self.joining.row
+        row.listened += 1
+        average = self.outer.round_update(self.count)
         done, failed, snapshot = self._state()
         if snapshot is not None:
-            self._load(snapshot)
+            with _kept_aside(average):  # (a delayed snapshot's pending round uses the buffer)
+                self._load(snapshot)
             done, failed, _ = self._state()
         if failed is not None:
             self.close()
             raise JoinedLate(failed)
-        if done and self.loaded and faults.holds_listening(self.run.log, self.mine):
-            done = False  # (a test's: as if its backlog were still under way)
         # (a snapshot of this very round: keep it, as it is in the snapshot already)
-        if not done or not self.loaded or self.mine > self.count:
-            if self.record.listened > 1:  # (the fetch began with the first)
-                self.record.listened_fetching += 1
-            if not self.loaded:
-                self.record.snapshot_rounds += 1
-            self.outer.optimizer.pseudo_gradient.copy_(average)
-            self._keep(got)
+        if not done or self.joining.waiting or self.mine > self.count:
+            if row.listened > 1:  # (the fetch began with the first)
+                row.listened_fetching += 1
+            if self.joining.waiting:
+                row.snapshot_rounds += 1
+            self._keep(got, average)
             self.outer.rollback_to_outer()  # its model goes back to its own outer weights
             self._check_bound()
             return False
-        self._catch_up()
-        self.outer.optimizer.pseudo_gradient.copy_(average)
+        with _kept_aside(average):  # (replaying uses the buffer)
+            self._catch_up()
+        self.caught_up = True
         self.run.log.info(
-            f"caught up after listening to {self.record.listened} round(s): from outer step "
-            f"{self.mine} replayed {self.record.replayed} logged and {self.applied} kept "
-            f"round(s) to outer step {self.count} (backlog in {self.record.backlog_seconds:.1f} "
-            f"s, {self.record.listened_fetching} round(s) committed meanwhile) and contributes "
-            "from the next round"
+            f"caught up after listening to {row.listened} round(s): from outer step "
+            f"{self.mine} replayed {row.replayed} logged and {self.applied} kept round(s) to "
+            f"outer step {self.count} (backlog in {row.backlog_seconds:.1f} s, "
+            f"{row.listened_fetching} round(s) committed meanwhile) and contributes from the "
+            "next round"
         )
         return True
 
@@ -245,37 +225,36 @@ class Listener:
             return
         self.close()
         raise MeshTimeout(
-            f"listened for {listened:.0f} s ({self.record.listened} round(s)) without "
+            f"listened for {listened:.0f} s ({self.joining.row.listened} round(s)) without "
             f"catching up, past the mesh's join_timeout of {bound:g} s: the snapshot or the "
             "rounds it missed did not come in time (check this node's link to the members, "
             "then rerun the same command to join again)"
         )
 
-    def _load(self, snapshot: JoinRecord) -> None:
+    def _load(self, snapshot: Snapshot) -> None:
         """The snapshot came: load it (every local rank); a backlog between it and the first
         round kept comes next, in the background (none when the snapshot is of the boundary
         that admitted this node, or later)."""
-        load_snapshot(self.run, self.outer, self.record, snapshot)
-        settle = getattr(self.outer, "settle_loaded", None)  # (delayed: the donor's pending
-        if settle is not None:  # round, which this node may not have kept, applies first)
-            settle()
-        self.loaded, self.mine = True, self.outer.outer_steps
+        assert self.count is not None
+        self.joining.snapshot = None
+        load_snapshot(self.run, self.outer, self.joining, snapshot)
+        self.outer.settle_loaded()  # (delayed: the donor's pending round applies first)
+        self.mine = self.outer.outer_steps
         first = self.kept[0].outer_step if self.kept else self.count + 1
         if self.mine + 1 < first:
             self._start_backlog(first - 1)
         self.run.log.info(
-            f"snapshot of outer step {self.mine} in after listening to {self.record.listened} "
-            f"round(s); {max(0, first - 1 - self.mine)} logged round(s) to fetch before the "
-            f"{len(self.kept)} kept"
+            f"snapshot of outer step {self.mine} in after listening to "
+            f"{self.joining.row.listened} round(s); {max(0, first - 1 - self.mine)} logged "
+            f"round(s) to fetch before the {len(self.kept)} kept"
         )
 
-    def _keep(self, got: Averaged) -> None:
+    def _keep(self, got: Averaged, update: torch.Tensor) -> None:
         """This round's update on disk (each local rank its shard), the rest in memory: with
         fragments, the update of the one the members synced (that of their count before it)."""
-        update = self.outer.fragments.part(self.count).pseudo_gradient
+        assert self.count is not None
         self.count += 1
-        rank = self.outer.local_rank
-        entry = Entry(self.count, self.step, rank, "", "", update)
+        entry = Entry(self.count, self.step, self.outer.local_rank, "", "", update)
         (self.folder / str(self.count)).write_bytes(entry.encode(log_key(self.run)))
         self.kept.append(_Kept(self.count, got.consumed, tuple(self.outer.mesh.global_members)))
 
@@ -285,12 +264,12 @@ class Listener:
         if self._needed:
             got = on_primary(self.run, lambda: self._got)
             assert got is not None
-            t0 = time.monotonic() - got.seconds  # (the record's replay time: fetch and apply)
-            problem = replay_fetched(self.run, self.outer, self.record, got, self.backlog, t0)
+            t0 = time.monotonic() - got.seconds  # (the row's replay time: fetch and apply)
+            problem = replay_fetched(self.run, self.outer, self.joining, got, self.backlog, t0)
             if problem is not None:
                 self.close()
                 raise JoinedLate(f"replaying the rounds it missed failed: {problem}")
-        data: Any = self.outer.data
+        data = self.outer.data
         for kept in self.kept:
             if kept.outer_step <= self.outer.outer_steps:  # already in its snapshot
                 continue
@@ -299,101 +278,27 @@ class Listener:
             self.outer.apply_update(Entry.decode(path.read_bytes(), log_key(self.run)).update)
             if data is not None and kept.consumed is not None:
                 data.commit(kept.consumed, kept.members)  # as the members moved them
-        if self.outer.fragments.count > 1:  # its local weights: the outer ones, as `enter`'s
-            self.outer.rollback_to_outer()  # (a fragment not replayed holds the donor's)
-        self.outer.feedback.reset()  # the snapshot brought the donor's residual: not its own
+        self.outer.take_members_state()
         self.close(caught_up=True)
 
-    def close(self, caught_up: bool = False) -> None:
-        """Done (`caught_up`, or given up): the outer step stops listening; files go. A node
-        that gives up keeps its hold where it is: catching up again needs the entries after
-        its own state, which the kept rounds it drops no longer stand in for."""
-        self.outer.listener = None
-        faults.end_hold_listening()
-        if self._thread is not None:  # (caught up: it ended; given up: its fetch is bounded)
+    def close(self, caught_up: bool = False, wait: bool = True) -> None:
+        """Done (`caught_up`, or given up): its files go and, with `wait`, its backlog's fetch
+        ends first (bounded; a node that stops does not wait). Idempotent."""
+        if self._thread is not None and wait:  # (caught up: it ended; else it is bounded)
             self._thread.join(timeout=BACKLOG_JOIN_S)
             if self._thread.is_alive():
                 self.run.log.warn(f"the backlog's fetch is still on after {BACKLOG_JOIN_S:g} s")
             self._thread = None
-        if caught_up and self.record.holder is not None:
-            self.record.holder.first = self.count + 1  # nothing older is needed any more
+        if caught_up and self.joining.holder is not None:
+            self.joining.holder.first = (self.count or 0) + 1  # nothing older is needed
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def admit_first(run: Run, outer: ElasticOuterStep, rejoined: int | None) -> JoinRecord:
-    """A joiner that listens says `ready()` at once: admitted at the members' next sync point,
-    it listens while its snapshot comes in the background (`diloco/listen.py`)."""
-    membership = run.placement.membership
-    assert membership is not None
-    record = JoinRecord(step=0, donor=None, bytes=0, seconds=0.0, rejoined=rejoined)
-    if run.primary:
-        record.holder = Holder(membership).__enter__()  # (`enter_running_job` ends it)
-        record.pending = Background(
-            membership,
-            run.ckpt_dir,
-            run.log,
-            shared_tensors(run.cfg.diloco.overlap),
-            fetch_rate(run.cfg.mesh),
-        )
-    else:
-        record.pending = True  # (local rank 0's fetch, told through `on_primary`)
-    outer.listen_first = True  # type: ignore[attr-defined]
+@contextmanager
+def _kept_aside(buffer: torch.Tensor) -> Iterator[None]:
+    """`buffer` holds the same values after the block as before (a copy is kept meanwhile)."""
+    kept = buffer.clone()
     try:
-        faults.delay_first_ready(run.log)
-        membership.mesh.ready()
-        run.log.info(
-            "joining a running job: ready at once, admitted at the members' next sync point; "
-            "the snapshot comes in the background while this node listens"
-        )
-        _wait_admitted(run, record)
-    except (MeshEvicted, CoordinatorLost):  # (it joins again: nothing may write meanwhile)
-        if record.holder is not None:
-            record.holder.__exit__(None, None, None)
-        if isinstance(record.pending, Background):
-            record.pending.join(JOIN_TIMEOUT_S)
-        raise
-    return record
-
-
-def _wait_admitted(run: Run, record: JoinRecord) -> None:
-    """Until the coordinator lists this node as a member (the members' next sync point), or
-    the snapshot's fetch finds the members gone: `RunCompleted` (exit 0) when they finished
-    the run, else `JoinFailed`; `MeshTimeout` past the mesh's `join_timeout` (as its own wait
-    for admission), decided on local rank 0 for all ranks."""
-    membership = run.placement.membership
-    assert membership is not None
-    me = membership.mesh.node_id
-
-    bound = membership.mesh.join_timeout  # (as the mesh's own wait for admission)
-    deadline = None if bound is None else time.monotonic() + bound
-
-    def ask() -> tuple[str, str] | None:
-        pending = record.pending
-        failed = getattr(pending, "failed", None)
-        if isinstance(failed, RunCompleted | JoinFailed):
-            return type(failed).__name__, str(failed)
-        if deadline is not None and time.monotonic() > deadline:
-            return "MeshTimeout", (
-                f"not admitted within the mesh's join_timeout of {bound:g} s (the members' "
-                "sync point never came, or the coordinator stayed away)"
-            )
-        try:
-            members = membership.mesh.members()
-        except MeshEvicted as e:  # stalled or cut off before its admission: it joins again
-            return "MeshEvicted", str(e)
-        except Exception:  # the coordinator briefly away: ask again
-            return None
-        return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
-                                     for m in members) else None  # fmt: skip
-
-    while (got := on_primary(run, ask)) is None:
-        time.sleep(0.2)
-    kind, why = got
-    if kind == "RunCompleted":
-        raise RunCompleted(why)
-    if kind == "JoinFailed":
-        raise JoinFailed(why)
-    if kind == "MeshTimeout":
-        raise MeshTimeout(why)
-    if kind == "MeshEvicted":
-        raise MeshEvicted(why)
+        yield
+    finally:
+        buffer.copy_(kept)

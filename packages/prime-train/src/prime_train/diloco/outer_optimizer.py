@@ -57,6 +57,20 @@ class OuterOptimizer:
             offset += n
         self.take_model_weights()
 
+    def fragment(self, members: list[int], a: int, b: int) -> OuterOptimizer:
+        """An OuterOptimizer over parameters `members`, whose buffers are the slices [a, b)
+        of this one's (`diloco/fragments.py`): `compute_pseudo_gradient`, `apply`,
+        `load_into_model` and `digest` then act on that fragment alone."""
+        part = object.__new__(OuterOptimizer)
+        part.params = [self.params[i] for i in members]
+        part.lr, part.momentum = self.lr, self.momentum
+        part.weights = self.weights[a:b]
+        part.pseudo_gradient = self.pseudo_gradient[a:b]
+        part.momentum_buffer = self.momentum_buffer[a:b]
+        part._weight_views = [self._weight_views[i] for i in members]
+        part._gradient_views = [self._gradient_views[i] for i in members]
+        return part
+
     @torch.no_grad()
     def take_model_weights(self) -> None:
         """Take the model's current weights as the outer weights (at the start of a run)."""

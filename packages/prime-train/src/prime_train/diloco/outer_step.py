@@ -14,10 +14,8 @@ Every H inner steps the trainer calls `start(step)` then `finish()`:
 3. The report (time, bytes, nodes, epoch, weight hash) goes to the log and the metrics
    (`diloco/round_log.py`).
 
-A joiner's first round is `enter(step)`: the same step, contributing nothing (see
-`diloco/join.py`). A joiner admitted late takes further such rounds as a listener
-(`diloco/listen.py`) until it holds the rounds it missed, or replays them in place
-(`diloco/late_joiner.py`).
+A joiner's rounds are `enter(step)`: the same step, contributing nothing, as a listener
+(`diloco/listen.py`) until it holds the members' state (see `diloco/join.py`).
 
 Here `finish` follows `start` at once (`[diloco] overlap = "none"`); `diloco/delayed.py` builds
 the overlapped step on the same pieces, its all-reduce running in the background while the
@@ -32,7 +30,7 @@ model, chosen by the committed count (`diloco/fragments.py`, `part`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +43,7 @@ from prime_train.diloco.average import Averaged, average_pseudo_gradient
 from prime_train.diloco.contribution import usable
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
+from prime_train.diloco.join_side import JoinSide
 from prime_train.diloco.late_joiner import JoinedLate, settle_late, sync_count, sync_part
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
@@ -62,6 +61,7 @@ from prime_train.seam import OuterStepReport
 
 if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
+    from prime_train.diloco.listen import Listener
     from prime_train.slot_loader import SlotLoader
 
 
@@ -69,12 +69,12 @@ class OuterStepFailed(RuntimeError):
     """The outer step could not be agreed on within the allowed retries."""
 
 
-class Diloco:
+class Diloco(JoinSide):
     """DiLoCo across the nodes of an elastic mesh: the trainer's outer step (see module doc).
 
     Implements the trainer's seam whole (`prime_train.seam.ElasticOuterStep`): the step
-    (`start`/`finish`), a joiner's first round (`enter`), its state for checkpoints, loading
-    it, and agreeing where to resume.
+    (`start`/`finish`), a joiner's rounds (`enter`; what else joining uses: `JoinSide`), its
+    state for checkpoints, loading it, and agreeing where to resume.
     """
 
     overlapped = False  # `finish` follows `start` at once
@@ -90,11 +90,13 @@ class Diloco:
         node_group: dist.ProcessGroup | None = None,
         data: SlotLoader | None = None,
         names: list[str] | None = None,
+        replay_log: ReplayLog | None = None,
     ):
         """`params` are this rank's (sharded) parameters; `node_group` is the node's own process
         group when it has several ranks (each averages its shard in its own inter-node group);
         `data`: the node's data slots, whose positions move with each committed round;
-        `names`: the parameters' names (needed with `[diloco] fragments` > 1)."""
+        `names`: the parameters' names (needed with `[diloco] fragments` > 1); `replay_log`:
+        where each committed update goes for joiners to replay (`diloco/replay_log.py`)."""
         self.cfg, self.mesh, self.log, self.data = cfg, mesh, log, data
         self.node_group = node_group if node_group and dist.get_world_size(node_group) > 1 else None
         # each sync averages one fragment (`diloco/fragments.py`; F = 1: the whole model)
@@ -107,17 +109,8 @@ class Diloco:
         self.totals = self.rounds.totals
         self._started: tuple[int, float] | None = None  # (inner step, start time) of the round
         self.round_inner_steps = 0  # inner steps this node ran since its last outer step
-        # the update log a joiner replays (`diloco/replay_log.py`; set by the trainer), and
-        # what all members share after a round besides the outer state (empty for now)
-        self.replay_log: ReplayLog | None = None
-        self.shared_state: Callable[[], dict[str, Any]] = dict
-        self.restore_shared: Callable[[dict[str, Any]], None] = lambda shared: None
-        # a joiner admitted late replays the updates it missed, (its count, theirs) -> done?
-        self.late_catch_up: Callable[[int, int], bool] | None = None
-        # or listens (`diloco/listen.py`): (its count, behind) -> listener
-        self.listen_late: Callable[[int, int], Any] | None = None
-        self.listener: Any = None  # the listener while this joiner listens
-        self.listen_first = False  # admitted before its snapshot came: it listens at once
+        self.replay_log = replay_log
+        self.listener: Listener | None = None  # while this joiner listens (`listen`)
         self.admitted_now = False  # this member's last round admitted a node (checkpoint)
         # the node's own passes over the model since the last row (the rows' `outer_own_s`)
         self.own_seconds = 0.0
@@ -134,12 +127,6 @@ class Diloco:
     def round_end(self, step: int) -> int:
         """The inner step that ends the round running after inner step `step`."""
         return (step // self.period + 1) * self.period
-
-    @property
-    def part(self) -> OuterOptimizer:
-        """The outer optimizer of the fragment the next sync averages (the whole model when
-        `fragments` = 1): chosen by the committed outer step count."""
-        return self.fragments.part(self.outer_steps)
 
     # -- the outer step ---------------------------------------------------------------------
 
@@ -276,9 +263,6 @@ class Diloco:
             payload_for=self.fragments.payload_for if self.fragments.count > 1 else None,
             step=step,
         )
-        if got.mismatch and contributing:
-            self._warn("a node entered with another outer step count (a late joiner: it "
-                       "listens until it has caught up, or leaves)")  # fmt: skip
         return got
 
     # -- the update log and replaying it --------------------------------------------------
@@ -301,7 +285,9 @@ class Diloco:
                 outer_sha256=report.outer_sha256,
                 shard_sha256=self.rounds.last_shards[rank],
                 update=self.fragments.part(report.outer_step - 1).pseudo_gradient,
-                shared=self.shared_state(),
+                # the data slots' shared state after the round: a joiner takes the last one
+                # it replays (none of the members' own reads)
+                shared=self.data.shared_state() if self.data is not None else {},
             ).pack()
         self.replay_log.append(entry)  # (waits for the last entry's write first)
 
@@ -313,41 +299,6 @@ class Diloco:
             yield
         finally:
             self.own_seconds += time.perf_counter() - t
-
-    @property
-    def outer_steps(self) -> int:
-        """Outer steps applied so far in the run (as loaded, replayed or taken)."""
-        return self.rounds.outer_steps
-
-    def replay(self, entry: Entry) -> str | None:
-        """Apply a logged update (the next outer step) to the outer weights, momentum and the
-        model, as the members did; None if this rank's shard then has the members' hash, else
-        what differs (the state is then unusable: load another checkpoint)."""
-        opt = self.part  # (the entry's fragment: the one after this node's count)
-        misfit = entry.misfit(self.outer_steps, opt.pseudo_gradient.numel())
-        if misfit is not None:
-            return misfit
-        opt.pseudo_gradient.copy_(entry.update)
-        opt.apply()
-        self.totals["outer_steps"] += 1
-        mine = self.optimizer.digest()
-        if mine != entry.shard_sha256:
-            return (
-                f"outer step {entry.outer_step} replayed to hash {mine[:16]}, the members' is "
-                f"{entry.shard_sha256[:16]} (another torch build or CPU?)"
-            )
-        return None
-
-    def apply_update(self, update: torch.Tensor) -> None:
-        """Apply an update this node received in the all-reduce as the next outer step (a
-        round a listener kept: the same bits every member applied, see `diloco/listen.py`)."""
-        self.part.pseudo_gradient.copy_(update)
-        self.part.apply()
-        self.totals["outer_steps"] += 1
-
-    def replayed(self, outer_sha256: str) -> None:
-        """After a replay: tell the mesh where this node now is."""
-        self.mesh.note_outer_step(self.outer_steps, outer_sha256)
 
     def _commit_data(
         self, consumed: list[float] | None, members: tuple[str, ...] | list[str]

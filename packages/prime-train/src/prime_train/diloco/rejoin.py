@@ -4,14 +4,13 @@ A node whose link went down, or that stalled (SIGSTOP, swapping) for longer than
 timeout, is evicted: the others go on committing without it. When it comes back, its next mesh
 call at an outer boundary raises `MeshEvicted` (the coordinator told it) or `CoordinatorLost`
 (its own heartbeats found the coordinator silent while the link was down). Instead of exiting,
-the loop's outer boundary (`diloco/boundary.py`) takes the path a restarted node takes
+the loop's outer boundary (`outer_boundary.py`) takes the path a restarted node takes
 (`prime_train.diloco.join`):
 
 1. It closes its old membership (mesh and checkpoint server) and waits, up to
    `diloco.rejoin_wait_s`, until the coordinator answers and the run has live members.
-2. It registers again as a joiner (waiting), fetches a member's fresh boundary checkpoint,
-   loads it (outer weights, momentum, data position), and takes the zero-contribution entry
-   step: from then on its weights are the members', bit for bit.
+2. It joins as any node does (`diloco/join.py`): registers again, listens while a snapshot
+   of the members comes, and enters with their weights, bit for bit.
 
 It does so at most `diloco.max_rejoins` times in one run; one more loss exits 1 with a line
 that says so (`RejoinsExhausted`). A node *left out* of a round (late at the sync point past
@@ -23,21 +22,21 @@ The rows it writes carry `rejoined` (the count of all its rejoins).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from prime_mesh import CoordinatorLost, MeshError, MeshEvicted
-from prime_train.diloco.join import enter_running_job, load_members_state
-from prime_train.diloco.register_again import register_again
+from prime_train.diloco.join import join_running_job
+from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.seam import ElasticOuterStep
 
 if TYPE_CHECKING:
     from prime_train.run import Run
 
-# The mesh errors that mean this node is no longer a member and may rejoin. (CoordinatorGone,
-# a CoordinatorLost whose coordinator did not come back within the grace, is handled before
-# these: there is no run to rejoin.)
-MEMBERSHIP_LOST: tuple[type[MeshError], ...] = (MeshEvicted, CoordinatorLost)
+# The errors that mean this node is no longer a member and may rejoin (JoinedLate: a round's
+# header says it lacks rounds the members applied). CoordinatorGone, a CoordinatorLost whose
+# coordinator did not come back within the grace, is handled before these: there is no run
+# to rejoin.
+MEMBERSHIP_LOST: tuple[type[Exception], ...] = (MeshEvicted, CoordinatorLost, JoinedLate)
 
 
 # prime-mesh's eviction reason for a member late at a sync point or vote (its membership.py,
@@ -92,25 +91,10 @@ def rejoin_running_job(
     loop leaves leave-outs out of it). Returns the step the node continues from (its entry
     round's)."""
     check_rejoin_allowed(run, error, rejoins if bound is None else bound)
-    placement = run.placement
     run.log.warn(
         f"lost the mesh membership ({type(error).__name__}: {error}); rejoining the running "
         f"job through live recovery (rejoin {rejoins}; bounds: diloco.max_rejoins = "
         f"{run.cfg.diloco.max_rejoins} losses, diloco.max_missed_rounds = "
         f"{run.cfg.diloco.max_missed_rounds} leave-outs in a row)"
     )
-    assert placement.membership is not None
-    try:
-        placement.membership.close()
-    except Exception as e:  # an evicted node's connection is already gone: nothing to leave
-        run.log.info(f"closing the old membership: {type(e).__name__}: {e}")
-    t0 = time.monotonic()
-    membership = register_again(run, error)
-    placement.membership = membership
-    outer.reattach(membership.mesh)
-    run.log.info(
-        f"registered again as {membership.mesh.node_id} after "
-        f"{time.monotonic() - t0:.1f} s ({membership.members_seen} member(s)): fetching their state"
-    )
-    record = load_members_state(run, outer, rejoined=rejoins)
-    return enter_running_job(run, outer, record)
+    return join_running_job(run, outer, lost=error, rejoined=rejoins)

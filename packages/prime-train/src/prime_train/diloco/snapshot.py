@@ -1,7 +1,7 @@
-"""A joiner's snapshot: the members' newest checkpoint, fetched at the joiner's own pace
-(`fetch_members_state`, on the node's local rank 0), and what a joiner does when the members
-leave meanwhile (`members_left`). `JoinRecord` is what a join did, start to finish; see
-`diloco/join.py` for the whole path.
+"""A joiner's snapshot: the members' newest checkpoint, fetched in the background while it
+listens (`Background`, on the node's local rank 0, paced by `LinkGate`), loaded when it is in
+(`load_snapshot`), and what a joiner does when the members leave meanwhile (`members_left`).
+The whole join: `diloco/join.py`.
 
 The snapshot comes from every member at once (`prime_ckpt.fetch_checkpoint`): what all
 members hold alike (`shared_tensors`: the outer weights and momentum, and in synchronous runs
@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 from prime_ckpt import PeerError, ask_donors, fetch_checkpoint, resolve_token, step_dirname
 from prime_mesh import RunCompleted
 from prime_train.diloco.membership import Membership
-from prime_train.metrics import Log
 from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_train.config import MeshConfig
+    from prime_train.diloco.join_state import Joining
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
 
@@ -53,34 +53,14 @@ class JoinFailed(RunDirError):
 
 
 @dataclass
-class JoinRecord:
-    """What a joiner fetched and loaded: the members' checkpoint of inner step
-    `snapshot_step`, then the updates it replayed up to inner step `step`."""
+class Snapshot:
+    """A fetched checkpoint of the members: inner step `step`, its own state from `donor`."""
 
     step: int
-    donor: str | None
+    donor: str
     bytes: int
-    seconds: float  # fetching the snapshot
-    load_seconds: float = 0.0
-    rejoined: int | None = None  # the how-manieth rejoin by itself (None: a fresh join)
-    snapshot_step: int = 0
-    started: float = field(default_factory=time.monotonic)  # when the join began
-    replayed: int = 0  # outer steps replayed from the members' update logs
-    replay_bytes: int = 0
-    replay_seconds: float = 0.0  # fetching and applying them
-    replay_donors: list[str] = field(default_factory=list)
-    snapshots: int = 1  # snapshots fetched (a newer one when the log no longer reached one)
-    late: int = 0  # admissions a round late, each followed by catching up again
-    listened: int = 0  # rounds taken as a non-contributing member (`diloco/listen.py`)
-    listened_fetching: int = 0  # of the later ones, rounds committed while its backlog came
-    backlog_seconds: float = 0.0  # fetching the backlog in the background while listening
-    holder: Any = field(default=None, repr=False, compare=False)  # catch_up.Holder, kept open
-    # admitted before its snapshot came (`diloco/listen.py`): the fetch under way on local
-    # rank 0 (`Background`), and rounds listened before the snapshot was in
-    pending: Any = field(default=None, repr=False, compare=False)
-    snapshot_rounds: int = 0
-    snapshot_donors: dict[str, int] = field(default_factory=dict)  # node -> snapshot bytes
-    shared: dict[str, Any] = field(default_factory=dict)  # of the last replayed entry
+    seconds: float
+    donors: dict[str, int] = field(default_factory=dict)  # node -> bytes it served
 
 
 def _newest(urls: list[str], token: str | None) -> int | None:
@@ -107,38 +87,25 @@ def _folder_bytes(folder: Path) -> int:
 def fetch_members_state(
     membership: Membership,
     ckpt_dir: Path,
-    log: Log,
-    newer_than: int | None = None,
-    fresh: bool = True,
-    shared: list[tuple] | None = None,
-    one_donor: bool = False,
+    newer_than: int | None,
+    shared: list[tuple],
     pace: Callable[[int], object] | None = None,
-) -> JoinRecord:
-    """On the node's local rank 0: wait (bounded) for a donor to offer a checkpoint, newer
-    than `newer_than` if given, or with `fresh` newer than the newest one offered when it
-    started asking (made at a boundary after this node registered), then fetch it from every
-    member at once (`shared`: the tensors they hold alike; default: synchronous rounds'), or
-    with `one_donor` from the one offering the newest (another if it dies). `pace`: see
-    `prime_ckpt.fetch_checkpoint` (a listener's `LinkGate.wait`)."""
+) -> Snapshot:
+    """On the node's local rank 0: wait (bounded) until a donor offers a checkpoint newer than
+    `newer_than` that this node's folder does not hold, then fetch it from every member at
+    once (`shared`: the tensors they hold alike). `pace`: see `prime_ckpt.fetch_checkpoint`
+    (a listener's `LinkGate.wait`)."""
     token = membership.token
-    began = time.monotonic()  # the join's timeline starts here, waiting for a donor included
-    deadline = began + JOIN_TIMEOUT_S
-    baseline, baseline_known = newer_than, not fresh
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
     gone_since: float | None = None  # since when no member serves
     while True:
         donors = membership.donors()
         if donors:
             gone_since = None
             newest = _newest([u for _, u in donors], token)
-            if not baseline_known:
-                baseline, baseline_known = newest, True
-                log.info(
-                    f"joining a running job: {len(donors)} member(s); waiting for a checkpoint "
-                    f"newer than step {baseline} (made at an outer boundary while this node waits)"
-                )
-            elif (
+            if (
                 newest is not None
-                and (baseline is None or newest > baseline)
+                and (newer_than is None or newest > newer_than)
                 # a restarted node holds its own checkpoint of that step (its own inner state):
                 # never overwritten; the members make a newer one while it waits
                 and not (ckpt_dir / step_dirname(newest)).exists()
@@ -151,69 +118,60 @@ def fetch_members_state(
                 raise error
         if time.monotonic() > deadline:
             raise JoinFailed(
-                f"no member offered a{' fresh' if fresh else ''} checkpoint within "
-                f"{JOIN_TIMEOUT_S:.0f} s (members: {[n for n, _ in donors] or 'none'}); check "
-                "that the members run and that their checkpoint servers are reachable from "
-                "this machine"
+                f"no member offered a checkpoint within {JOIN_TIMEOUT_S:.0f} s (members: "
+                f"{[n for n, _ in donors] or 'none'}); check that the members run and that "
+                "their checkpoint servers are reachable from this machine"
             )
         time.sleep(POLL_S)
-
     t0 = time.monotonic()
-    step, donor, errors = None, None, []
+    got, names = _fetch_from_members(membership, ckpt_dir, shared, pace)
     served: dict[str, int] = {}
-    shared = shared_tensors("none") if shared is None else shared
-    for _ in range(3 if fresh else 1):  # the donors made a newer checkpoint meanwhile: that one
-        step = None
-        for _attempt in range(2):  # a second time with the members left, if that failed
-            donors = _newest_first(membership.donors(), token)[: 1 if one_donor else None]
-            names = {url.rstrip("/"): node_id for node_id, url in donors}
-            if not donors:
-                break
-            try:
-                got = fetch_checkpoint(
-                    list(names),
-                    ckpt_dir,
-                    token=token,
-                    # paced: one per donor, so that little is in flight when it holds
-                    connections=len(names) if pace else max(4, 2 * len(names)),
-                    chunk_bytes=CHUNK_BYTES,
-                    shared=shared,
-                    pace=pace,
-                )
-            except (PeerError, OSError) as e:  # every donor died or refused
-                errors.append(f"{sorted(names.values())}: {e}")
-                continue
-            step, donor = got.step, names.get(got.primary, got.primary)
-            for url, n in got.bytes_by_donor.items():
-                who = names.get(url, url)
-                served[who] = served.get(who, 0) + n
-            break
-        if step is None:
-            if not membership.donors():  # they left mid-transfer: completed, or gone
-                left = members_left(membership, time.monotonic() - MEMBERS_GONE_S - 1)
-                if left is not None:
-                    raise left
-            raise JoinFailed(f"fetching the members' checkpoint failed: {'; '.join(errors)}")
-        newer = _newest([u for _, u in membership.donors()], token)
-        if newer is None or newer <= step:
-            break
-    seconds = time.monotonic() - t0
-    size = _folder_bytes(ckpt_dir / step_dirname(step))
-    if len(served) > 1:
-        log.info(
-            f"snapshot of step {step} from {len(served)} members at once: "
-            + ", ".join(f"{n} {b / 1e6:.2f} MB" for n, b in sorted(served.items()))
-            + f" (the node's own state from {donor})"
-        )
-    return JoinRecord(
-        step=step,
-        donor=donor,
-        bytes=size,
-        seconds=seconds,
-        snapshot_step=step,
-        started=began,
-        snapshot_donors=served,
+    for url, n in got.bytes_by_donor.items():
+        who = names.get(url, url)
+        served[who] = served.get(who, 0) + n
+    return Snapshot(
+        step=got.step,
+        donor=names.get(got.primary, got.primary),
+        bytes=_folder_bytes(ckpt_dir / step_dirname(got.step)),
+        seconds=time.monotonic() - t0,
+        donors=served,
     )
+
+
+def _fetch_from_members(
+    membership: Membership,
+    ckpt_dir: Path,
+    shared: list[tuple],
+    pace: Callable[[int], object] | None,
+) -> tuple[Any, dict[str, str]]:
+    """The newest checkpoint from every member at once (a second try with the members left,
+    if that failed): (`prime_ckpt.fetch_checkpoint`'s result, url -> node id)."""
+    errors = []
+    for _attempt in range(2):
+        donors = _newest_first(membership.donors(), membership.token)
+        names = {url.rstrip("/"): node_id for node_id, url in donors}
+        if not donors:
+            break
+        try:
+            got = fetch_checkpoint(
+                list(names),
+                ckpt_dir,
+                token=membership.token,
+                # paced: one per donor, so that little is in flight when it holds
+                connections=len(names) if pace else max(4, 2 * len(names)),
+                chunk_bytes=CHUNK_BYTES,
+                shared=shared,
+                pace=pace,
+            )
+        except (PeerError, OSError) as e:  # every donor died or refused
+            errors.append(f"{sorted(names.values())}: {e}")
+            continue
+        return got, names
+    if not membership.donors():  # they left mid-transfer: completed, or gone
+        left = members_left(membership, time.monotonic() - MEMBERS_GONE_S - 1)
+        if left is not None:
+            raise left
+    raise JoinFailed(f"fetching the members' checkpoint failed: {'; '.join(errors)}")
 
 
 MEMBERS_GONE_S = 30.0  # no member for this long: the joiner stops
@@ -295,25 +253,24 @@ class Background:
         self,
         membership: Membership,
         ckpt_dir: Path,
-        log: Log,
         shared: list[tuple],
         bytes_per_s: float | None = None,
     ):
         """`bytes_per_s`: the cap on the fetch (None: none), see `LinkGate`."""
-        self.got: JoinRecord | None = None
+        self.got: Snapshot | None = None
         self.failed: BaseException | None = None
         self.gate = LinkGate(bytes_per_s)
         self.baseline = _newest([u for _, u in membership.donors()], membership.token)
-        self._args = (membership, ckpt_dir, log, shared)
+        self._args = (membership, ckpt_dir, shared)
         self._thread = threading.Thread(target=self._run, name="prime-join-snapshot", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        membership, ckpt_dir, log, shared = self._args
+        membership, ckpt_dir, shared = self._args
         try:
-            self.got = fetch_members_state(membership, ckpt_dir, log, newer_than=self.baseline,
-                                           fresh=False, shared=shared,
-                                           pace=self.gate.wait)  # fmt: skip
+            self.got = fetch_members_state(
+                membership, ckpt_dir, self.baseline, shared, pace=self.gate.wait
+            )
         except BaseException as e:  # told to the listener at its next round
             self.failed = e
 
@@ -326,32 +283,26 @@ class Background:
         self._thread.join(timeout)
 
 
-def load_state(run: Run, outer: ElasticOuterStep, record: JoinRecord) -> None:
-    """Load the record's snapshot on this local rank; the data positions are the members'
-    shared ones (none of the donor's own reads)."""
+def load_snapshot(run: Run, outer: ElasticOuterStep, joining: Joining, got: Snapshot) -> None:
+    """A listener's snapshot (`got`, fetched in the background) came: load it on every local
+    rank (the data positions are the members' shared ones, none of the donor's own reads)."""
     t = time.monotonic()
-    run.load(record.snapshot_step, outer)
-    run.loader.forget_own()  # the members' shared data positions, none of the donor's reads
-    record.step = record.snapshot_step
-    record.load_seconds += time.monotonic() - t
-
-
-def load_snapshot(run: Run, outer: ElasticOuterStep, record: JoinRecord, got: JoinRecord) -> None:
-    """A listener's snapshot (`got`, fetched in the background) came: take what it says into
-    `record` and load it on every local rank."""
-    record.snapshot_step, record.donor, record.snapshot_donors = (
-        got.snapshot_step,
-        got.donor,
-        got.snapshot_donors,
-    )
-    record.bytes, record.seconds = got.bytes, got.seconds
-    record.pending = None
-    load_state(run, outer, record)
+    run.load(got.step, outer)
+    run.loader.forget_own()
+    row = joining.row
+    row.load_seconds += time.monotonic() - t
+    row.fetched_step, row.donor, row.snapshots = got.step, got.donor, row.snapshots + 1
+    row.fetch_bytes += got.bytes
+    row.fetch_seconds += got.seconds
+    for who, n in got.donors.items():
+        row.snapshot_donors[who] = row.snapshot_donors.get(who, 0) + n
+    joining.step, joining.waiting = got.step, False
     mbps = got.bytes / 1e6 / got.seconds if got.seconds else float("inf")
+    served = ", ".join(f"{n} {b / 1e6:.2f} MB" for n, b in sorted(got.donors.items()))
     run.log.info(
-        f"fetched the step-{got.snapshot_step} checkpoint from {got.donor} while listening: "
-        f"{got.bytes / 1e6:.2f} MB in {got.seconds:.2f} s ({mbps:.1f} MB/s), loaded in "
-        f"{record.load_seconds:.2f} s"
+        f"fetched the step-{got.step} checkpoint while listening: {got.bytes / 1e6:.2f} MB "
+        f"in {got.seconds:.2f} s ({mbps:.1f} MB/s) from {served or got.donor} (its own state "
+        f"from {got.donor}), loaded in {time.monotonic() - t:.2f} s"
     )
 
 
