@@ -75,15 +75,20 @@ def test_a_node_whose_weights_differ_is_told_and_rejoins(tmp_path, token_cache, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_node_with_a_nan_is_left_out_of_one_round(tmp_path, token_cache, children):
-    """Node 1's pseudo-gradient for outer step NAN_AT holds a NaN (a fault hook): it is left
-    out of that round, says why, and takes the committed weights; the run goes on."""
+def test_a_node_with_a_nan_or_an_outlying_norm_is_left_out_of_one_round(
+    tmp_path, token_cache, children
+):
+    """Node 1's pseudo-gradient for outer step NAN_AT holds a NaN, node 0's for SCALE_AT is
+    1000 times what it computed (fault hooks): each is left out of that round alone (the
+    NaN by the node itself, the outlying norm by the sync point: above diloco.norm_bound x
+    the other's), says why, and takes the committed weights; the run goes on."""
     n = [tmp_path / f"node{k}" for k in range(2)]
-    nan_at = 3
+    nan_at, scale_at = 3, 4
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     try:
-        env = {"PRIME_TRAIN_FAULT_NAN_AT": str(nan_at)}
-        procs = start_nodes_in_turn(children, n, coord, {1: env}, cache=token_cache,
+        envs = {0: {"PRIME_TRAIN_FAULT_SCALE_AT": str(scale_at)},
+                1: {"PRIME_TRAIN_FAULT_NAN_AT": str(nan_at)}}  # fmt: skip
+        procs = start_nodes_in_turn(children, n, coord, envs, cache=token_cache,
                                     **{**NODE, "steps": 50})  # fmt: skip
         codes = [p.wait(timeout=240) for p in procs]
         events = coord.page_status()["events"]
@@ -93,10 +98,11 @@ def test_a_node_with_a_nan_is_left_out_of_one_round(tmp_path, token_cache, child
     assert not [e for e in events if e["kind"] == "evicted"], events
     outer0, outer1 = outer_by_step(folder_metrics(n[0])), outer_by_step(folder_metrics(n[1]))
     assert outer0.keys() == outer1.keys() == set(range(1, 6)), log_tails(tmp_path)
-    for k in outer0:  # the same weights everywhere, node 1 left out of one round only
+    for k in outer0:  # the same weights everywhere, each node left out of one round only
         assert outer0[k]["outer_sha256"] == outer1[k]["outer_sha256"], k
-        assert outer0[k]["contributors"] == (1 if k == nan_at else 2), (k, outer0[k])
-    log = (tmp_path / "node1.log").read_text()
-    warned = [line for line in log.splitlines() if "left out of the round" in line]
-    assert len(warned) == 1 and f"outer step {nan_at}: " in warned[0], warned or log[-3000:]
-    assert "L2 norm is nan" in warned[0], warned
+        assert outer0[k]["contributors"] == (1 if k in (nan_at, scale_at) else 2), (k, outer0[k])
+    for node, at, why in ((1, nan_at, "L2 norm is nan"), (0, scale_at, "diloco.norm_bound = 10")):
+        log = (tmp_path / f"node{node}.log").read_text()
+        warned = [line for line in log.splitlines() if "left out of the round" in line]
+        assert len(warned) == 1 and f"outer step {at}: " in warned[0], warned or log[-3000:]
+        assert why in warned[0], warned

@@ -216,3 +216,20 @@ def test_a_ballot_without_outer_state_is_not_compared():
         m.vote(node, 0, conn, 3, msg)
     assert [_replies(conn, 3)[0]["result"] for _, conn in nodes] == [True, True, True]
     assert states_by_key(m) == {"a": "member", "b": "member", "c": "member"}
+
+
+def test_a_sync_point_tells_the_node_whose_norm_is_far_outside_the_others():
+    """Each contributing rank states its squared norm at the sync point; the coordinator
+    tells only the node above `norm_bound` x the median of the others' (`prime_mesh.norms`),
+    and a sync point without norms tells nobody."""
+    m = Membership(min_nodes=3)
+    nodes = [_register(m, k) for k in "abc"]
+    _sync_all(m, nodes)
+    for (node, conn), n2 in zip(nodes, (1.0, 1.44, 900.0), strict=True):
+        m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "norm2": n2,
+                                  "norm_bound": 10.0})  # fmt: skip
+    replies = [_replies(conn, 2)[0] for _, conn in nodes]
+    assert "outlier" not in replies[0] and "outlier" not in replies[1], replies
+    assert "L2 norm 30 is more than 10 x the median" in replies[2]["outlier"], replies[2]
+    _sync_all(m, nodes)  # (request id 1 again: the next sync point, no norms stated)
+    assert all("outlier" not in _replies(conn, 1)[-1] for _, conn in nodes)

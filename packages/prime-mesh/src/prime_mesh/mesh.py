@@ -108,6 +108,9 @@ class ElasticDeviceMesh(MeshViews):
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
         self.coordinator_grace_s = coordinator_grace_s
         self._outer: tuple[int, str] = (0, "")  # last committed outer step and weight hash
+        # why the last sync point found this node's norm far outside the others' (see
+        # `maybe_reinit_global_pg`); None: it did not
+        self.norm_outlier: str | None = None
         register = {
             "type": "register",
             "node_key": shared_node_key(self.local_world_size, node_key),
@@ -150,7 +153,13 @@ class ElasticDeviceMesh(MeshViews):
             raise
 
     # ---- membership ----------------------------------------------------------------------
-    def maybe_reinit_global_pg(self, admit_joiners: bool = True, listening: bool = False) -> bool:
+    def maybe_reinit_global_pg(
+        self,
+        admit_joiners: bool = True,
+        listening: bool = False,
+        norm2: float | None = None,
+        norm_bound: float = 0.0,
+    ) -> bool:
         """Sync point (call on every node): drop dead nodes, admit joiners, rebuild the group.
 
         Blocks until every member reached its sync point (a node that died meanwhile is evicted
@@ -169,9 +178,15 @@ class ElasticDeviceMesh(MeshViews):
         listens, see prime_train's `diloco/listen.py`), possibly a whole round before the
         others: its arrival does not start the coordinator's sync-timeout clock (the first
         other member's does), so it never gets the members evicted for being "late".
+
+        `norm2`: the squared L2 norm of what this local rank is about to contribute; with
+        `norm_bound` > 0 the coordinator compares the nodes' norms (`prime_mesh.norms`) and
+        `norm_outlier` then says why this node's is far outside the others' (None: it is
+        not, or it stated none).
         """
+        self.norm_outlier = None
         try:
-            return self._sync_point(admit_joiners, listening)
+            return self._sync_point(admit_joiners, listening, norm2, norm_bound)
         except CoordinatorLost as e:
             if not self._recoverable(e):
                 raise
@@ -204,7 +219,9 @@ class ElasticDeviceMesh(MeshViews):
             )
         self._outer = (outer_step, outer_hash)
 
-    def _sync_point(self, admit_joiners: bool, listening: bool = False) -> bool:
+    def _sync_point(
+        self, admit_joiners: bool, listening: bool, norm2: float | None, norm_bound: float
+    ) -> bool:
         self._check()
         new = False
         if self._epoch is None:
@@ -228,11 +245,17 @@ class ElasticDeviceMesh(MeshViews):
                 "admit": bool(admit_joiners),
                 "failed": self._suspect,
                 "listening": bool(listening),
+                **(
+                    {"norm2": float(norm2), "norm_bound": float(norm_bound)}
+                    if norm2 is not None
+                    else {}
+                ),  # fmt: skip
             },
             timeout=self.request_bound,
             what="the coordinator to answer the sync point",
         )
         self._session.note_epoch(reply["epoch"])
+        self.norm_outlier = reply.get("outlier")
         latest = self._session.latest
         assert latest is not None
         if latest.number == self._epoch.number:

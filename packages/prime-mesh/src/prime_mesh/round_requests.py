@@ -22,11 +22,13 @@ queues).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from prime_mesh.barrier import SyncWaits
 from prime_mesh.node import Conn
+from prime_mesh.norms import norm_outliers
 
 Slot = tuple[str, int]  # who sent a request: (node key, local rank)
 Outer = tuple[int, str]  # a node's outer step count and outer weight hash
@@ -103,12 +105,18 @@ class RoundRequests:
         self.ballots: dict[int, dict[Slot, Ballot]] = {}  # by vote seq, this epoch's
         self.waits = SyncWaits()  # how long late members are waited for (see barrier)
         self.listening: set[Slot] = set()  # slots whose last arrival said `listening`
+        self.norms2: dict[Slot, float] = {}  # this sync point's stated norms (`prime_mesh.norms`)
+        self.norm_bound = 0.0
         # recent votes' results by (epoch, seq), for a listener's late ballot
         self.decided: dict[tuple[int, int], bool] = {}
 
     def arrive(self, slot: Slot, conn: Conn, req: int, msg: dict, now: float) -> None:
         """`slot` reached the sync point (`msg`: its sync request)."""
         self.arrivals[slot] = (conn, req, bool(msg.get("admit")), bool(msg.get("failed")))
+        norm2 = msg.get("norm2")
+        if isinstance(norm2, int | float) and math.isfinite(norm2):
+            self.norms2[slot] = float(norm2)
+            self.norm_bound = float(msg.get("norm_bound") or 0.0)
         if msg.get("listening"):
             self.listening.add(slot)
         else:  # a listener may come a round early: not its clock
@@ -126,10 +134,14 @@ class RoundRequests:
         return all(a for _, _, a, _ in entries), any(f for _, _, _, f in entries)
 
     def release(self, epoch_info: dict) -> None:
-        """Answer every arrival with `epoch_info` (the epoch they go on in)."""
-        for conn, req, _, _ in self.arrivals.values():
-            conn.send(reply(req, epoch=epoch_info))
+        """Answer every arrival with `epoch_info` (the epoch they go on in), and each node
+        whose stated norm is an outlier with why (`prime_mesh.norms`)."""
+        outliers = norm_outliers(self.norms2, self.norm_bound) if self.norms2 else {}
+        for slot, (conn, req, _, _) in self.arrivals.items():
+            why = outliers.get(slot[0])
+            conn.send(reply(req, epoch=epoch_info, **({"outlier": why} if why else {})))
         self.arrivals.clear()
+        self.norms2.clear()
 
     def vote(
         self,

@@ -115,6 +115,12 @@ class DilocoConfig(Section):
         "quantization residual) into the next round's; needs compression 'uint8', 'uint4' or "
         "'uint2'",
     )
+    norm_bound: float = Field(
+        10.0,
+        ge=0.0,
+        description="a node whose pseudo-gradient's L2 norm exceeds this many times the median "
+        "of the other nodes' is left out of that round (0: never); a non-finite norm always is",
+    )
     overlap: Literal["none", "delayed"] = Field(
         "none",
         description="'none': inner steps wait for each outer step; 'delayed': the all-reduce of "

@@ -14,6 +14,7 @@ environment itself.
 | `PRIME_TRAIN_FAULT_LISTENER_ROUND_FAILS` | a listener's Nth round after the one that admitted it: its all-reduce counts as failed on it alone, and its ballot goes out 1 s late, once per process: the members, who do not wait for a listener's ballot, commit without it, and it learns that it lacks the round's update |
 | `PRIME_TRAIN_FAULT_PERTURB_OUTER_AT` | once this node applied outer step N, it adds 0.001 to the first of its outer weights, once per process, before it hashes them: a node whose weights silently differ from the others' |
 | `PRIME_TRAIN_FAULT_NAN_AT` | the pseudo-gradient this node computes for outer step N holds a NaN, once per process: a node whose numbers went bad |
+| `PRIME_TRAIN_FAULT_SCALE_AT` | the pseudo-gradient this node computes for outer step N is multiplied by 1000, once per process: finite numbers far outside the others' |
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ PERTURB_OUTER_ENV = "PRIME_TRAIN_FAULT_PERTURB_OUTER_AT"
 _perturb_outer = [int(_seconds(PERTURB_OUTER_ENV))]  # the outer step: once
 NAN_AT_ENV = "PRIME_TRAIN_FAULT_NAN_AT"
 _nan_at = [int(_seconds(NAN_AT_ENV))]  # the outer step: once
+SCALE_AT_ENV = "PRIME_TRAIN_FAULT_SCALE_AT"
+_scale_at = [int(_seconds(SCALE_AT_ENV))]  # the outer step: once
 
 
 def perturb_outer(outer_step: int, weights: torch.Tensor, log: Log | None) -> None:
@@ -139,7 +142,12 @@ def perturb_outer(outer_step: int, weights: torch.Tensor, log: Log | None) -> No
 
 def poison_pseudo_gradient(outer_step: int, pseudo_gradient: torch.Tensor, log: Log | None) -> None:
     """`PRIME_TRAIN_FAULT_NAN_AT`: the pseudo-gradient for outer step `outer_step` gets a NaN
-    (once)."""
+    (once); `PRIME_TRAIN_FAULT_SCALE_AT`: it is multiplied by 1000 (once)."""
+    if _scale_at[0] and outer_step == _scale_at[0]:
+        _scale_at[0] = 0
+        pseudo_gradient.mul_(1000.0)
+        if log is not None:
+            log.info(f"fault hook: pseudo-gradient x 1000 at outer step {outer_step}")
     if not _nan_at[0] or outer_step != _nan_at[0] or not pseudo_gradient.numel():
         return
     _nan_at[0] = 0

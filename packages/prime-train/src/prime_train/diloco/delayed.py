@@ -58,8 +58,8 @@ import prime_comm
 from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
 from prime_train.diloco.average import Averaged
-from prime_train.diloco.contribution import usable
-from prime_train.diloco.late_joiner import settle_late
+from prime_train.diloco.contribution import outlier, stated_norm
+from prime_train.diloco.late_joiner import settle_late, sync_part
 from prime_train.diloco.outer_step import Diloco
 from prime_train.diloco.round_log import join_cost, members_before, round_counts
 from prime_train.seam import OuterStepReport
@@ -137,9 +137,12 @@ class DelayedDiloco(Diloco):
         contributing = contributing and (reads is None or any(reads))  # read nothing: no part
         part = self.part  # this round's fragment: the committed count's, as every node's
         part.compute_pseudo_gradient()  # P = O' - θ
-        if contributing and not usable(part.pseudo_gradient, self.outer_steps + 1, self.log):
-            contributing = False  # bad numbers: left out, not fatal; its model restarts from
-            part.load_into_model()  # the outer weights (θ + (O'' - X) is then O'')
+        norm2 = None
+        if contributing:
+            norm2 = stated_norm(part.pseudo_gradient, self.outer_steps + 1, self.log)
+            if norm2 is None:  # bad numbers: left out, not fatal; its model restarts from
+                contributing = False  # the outer weights (θ + (O'' - X) is then O'')
+                part.load_into_model()
         if not contributing:
             part.pseudo_gradient.zero_()
         part.copy_model_into(self.round_start)  # X = θ (that fragment's range of the buffer)
@@ -149,7 +152,7 @@ class DelayedDiloco(Diloco):
         self._rounds += 1
         self._thread = threading.Thread(
             target=self._background_round,
-            args=(self._round, contributing, reads),
+            args=(self._round, contributing, reads, norm2),
             name=f"prime-outer-{self._rounds}",
             daemon=True,
         )
@@ -166,15 +169,28 @@ class DelayedDiloco(Diloco):
         return report
 
     def _background_round(
-        self, rnd: dict[str, Any], contributing: bool, reads: list[int] | None
+        self,
+        rnd: dict[str, Any],
+        contributing: bool,
+        reads: list[int] | None,
+        norm2: float | None,
     ) -> None:
-        """One attempt, in the background thread: sync point, all-reduce, vote."""
+        """One attempt, in the background thread: sync point, all-reduce, vote. `norm2`: the
+        norm this node states (`diloco/contribution.py`); one far outside the others' leaves
+        its update out of the round (its model keeps its own progress: the main thread trains
+        on meanwhile)."""
         mesh, t0 = self.mesh, time.monotonic()
         listener = self.listener  # (set by the main thread between rounds only)
         try:
             before = members_before(mesh)
             # a listener may come a round early: not its clock
-            regrouped = mesh.maybe_reinit_global_pg(listening=listener is not None)
+            regrouped = mesh.maybe_reinit_global_pg(
+                listening=listener is not None, norm2=norm2, norm_bound=self.cfg.norm_bound
+            )
+            if contributing and outlier(mesh.norm_outlier, self.outer_steps + 1,
+                                        self.cfg.norm_bound, self.log):  # fmt: skip
+                contributing = False
+                sync_part(self).pseudo_gradient.zero_()
             sync_seconds = time.monotonic() - t0
             faults.hold_outer_round(rnd["step"], self.log)
             with listener.collective() if listener is not None else nullcontext():

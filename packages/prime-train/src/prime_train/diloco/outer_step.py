@@ -40,7 +40,7 @@ import torch.distributed as dist
 from prime_train import faults
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
-from prime_train.diloco.contribution import usable
+from prime_train.diloco.contribution import outlier, stated_norm
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
 from prime_train.diloco.join_side import JoinSide
@@ -175,20 +175,8 @@ class Diloco(JoinSide):
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
                     with self._own():
                         part.compute_pseudo_gradient()
-                if contributing and not usable(  # (bad numbers: left out, not fatal)
-                    part.pseudo_gradient, self.outer_steps + 1, self.log
-                ):
-                    contributing = False  # (its model takes the committed weights at apply)
-                if not contributing:
-                    part.pseudo_gradient.zero_()
                 before = members_before(self.mesh)
-                t_sync = time.monotonic()
-                regrouped = (  # a listener may come a round early: not its clock
-                    self.mesh.maybe_reinit_global_pg(listening=True)
-                    if self.listener is not None
-                    else self.mesh.maybe_reinit_global_pg()
-                )
-                sync_seconds = time.monotonic() - t_sync
+                regrouped, contributing, sync_seconds = self._sync_point(part, contributing)
                 with (  # a listener's snapshot leaves the link to the all-reduce meanwhile
                     self.listener.collective() if self.listener is not None else nullcontext()
                 ):
@@ -232,6 +220,27 @@ class Diloco(JoinSide):
             f"outer step failed {len(errors)} times ({'; '.join(errors)}); "
             "outer weights are unchanged"
         )
+
+    def _sync_point(self, part: OuterOptimizer, contributing: bool) -> tuple[bool, bool, float]:
+        """This attempt's sync point, with the norm this node states (`diloco/contribution.py`:
+        bad numbers or a norm far outside the others' leave it out of the round, not the run;
+        its model takes the committed weights at apply): (regrouped, contributing, seconds)."""
+        outer_step = self.outer_steps + 1
+        norm2 = stated_norm(part.pseudo_gradient, outer_step, self.log) if contributing else None
+        contributing = norm2 is not None
+        if not contributing:
+            part.pseudo_gradient.zero_()
+        t = time.monotonic()
+        regrouped = self.mesh.maybe_reinit_global_pg(  # a listener may come a round early:
+            listening=self.listener is not None,  # not its clock
+            norm2=norm2,
+            norm_bound=self.cfg.norm_bound,
+        )
+        if contributing and outlier(self.mesh.norm_outlier, outer_step, self.cfg.norm_bound,
+                                    self.log):  # fmt: skip
+            contributing = False
+            part.pseudo_gradient.zero_()
+        return regrouped, contributing, time.monotonic() - t
 
     def average(
         self,
