@@ -99,7 +99,8 @@ class Checkpointer:
 
     Every checkpoint carries `identity` (the run's name and config hash) in its manifest;
     `check_owner()` refuses folders and remote prefixes holding another run's checkpoints.
-    `keep` checkpoints are kept on disk and in the remote store.
+    `keep` checkpoints are kept on disk and in the remote store. `ram` ("shm", "disk", "off")
+    is where a checkpoint is staged (`ckpt.ram`, prime_ckpt's `CheckpointManager(ram=)`).
 
     A save or upload that fails in the background does not stop training: prime_ckpt says
     it in one line (its `prime_ckpt` logger, printed as a line of the node's log by
@@ -116,6 +117,7 @@ class Checkpointer:
         remote_options: dict[str, Any] | None = None,
         identity: dict[str, str] | None = None,
         upload_timeout_s: float | None = None,
+        ram: str = "shm",
     ):
         self.disk_dir, self.every, self.remote = disk_dir, every, remote
         self.upload_timeout_s = upload_timeout_s
@@ -128,6 +130,7 @@ class Checkpointer:
             keep={"disk": keep, "remote": keep},
             group=group,
             on_error=self._failed,
+            ram=ram,
         )
         self.last_saved: int | None = None
         self._last: SaveHandle | None = None
