@@ -7,10 +7,11 @@ import pytest
 
 from prime_ckpt.faults import ENV
 from prime_ckpt.staging import default_shm_dir
+from prime_train.checkpointing import Checkpointer
 from prime_train.config_load import ConfigError, load_config
 
 
-def test_ram_setting_is_accepted_refused_clearly_and_not_hashed(tmp_path):
+def test_ram_and_disk_timeout_are_accepted_refused_clearly_and_not_hashed(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('[ckpt]\nram = "disk"\n')
     cfg = load_config(toml, [], env={})
@@ -27,6 +28,20 @@ def test_ram_setting_is_accepted_refused_clearly_and_not_hashed(tmp_path):
         for r in ("shm", "disk", "off")
     }
     assert len(hashes) == 1
+    bounded = load_config(None, ["--ckpt.disk_timeout_s", "7"], env={})
+    assert bounded.fingerprint_hash() in hashes
+    with pytest.raises(ConfigError, match="ckpt.disk_timeout_s"):
+        load_config(None, ["--ckpt.disk_timeout_s", "0"], env={})
+    ckpt = Checkpointer(
+        tmp_path / "ckpt", 0, 1, ram=cfg.ckpt.ram, disk_timeout_s=bounded.ckpt.disk_timeout_s
+    )
+    try:
+        assert (
+            ckpt.manager.disk_timeout == 7.0
+            and ckpt.manager.shm_dir == tmp_path / "ckpt" / ".staging-r0"
+        )
+    finally:
+        ckpt.close()
 
 
 @pytest.mark.parametrize("ram", ["shm", "disk", "off"])

@@ -159,6 +159,13 @@ class CkptConfig(Section):
         description="on the way out, the longest the final checkpoint's upload is waited for "
         "(it is on disk by then; the next start finishes the upload)",
     )
+    disk_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="the longest a checkpoint's disk write is waited for (by the next save, "
+        "and on the way out) and may make no progress; past it that save is said and counted "
+        "as failed and the node goes on (a hung disk or NFS mount never hangs the node)",
+    )
     remote_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec storage options for `remote` (e.g. endpoint_url); never saved to "
@@ -233,7 +240,15 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     # micro_batch_size: memory, not the math; stop_within_s: a node's own patience
     "train": ("threads", "device", "micro_batch_size", "stop_within_s"),
     # ram: where this machine stages a checkpoint (its memory), not what is saved
-    "ckpt": ("dir", "shm_dir", "ram", "remote", "keep", "upload_timeout_s"),
+    "ckpt": (
+        "dir",
+        "shm_dir",
+        "ram",
+        "remote",
+        "keep",
+        "upload_timeout_s",
+        "disk_timeout_s",
+    ),
     # a node's own patience and disk, not the math
     "diloco": ("max_rejoins", "max_missed_rounds", "rejoin_wait_s", "replay_rounds"),
 }
