@@ -103,15 +103,20 @@ def copy_hashed(
     if stalled.is_set():
         err.insert(0, _stall_error(dst, stall_timeout))
     elif out is not None:
-        try:
-            if not err:
-                out.flush()
-                os.fsync(out.fileno())
-            out.close()
-        except OSError as e:
-            err.append(e)
-            _close_quietly(out)
+        _sync_and_close(out, err)
     return FileEntry(done, h.hexdigest()), (err[0] if err else None)
+
+
+def _sync_and_close(out, err: list[OSError]) -> None:
+    """fsync (unless a write failed already) and close; a failure joins `err`."""
+    try:
+        if not err:
+            out.flush()
+            os.fsync(out.fileno())
+        out.close()
+    except OSError as e:
+        err.append(e)
+        _close_quietly(out)
 
 
 def _put(chunks: queue.Queue, item, timeout: float, stalled: threading.Event) -> None:
