@@ -2,40 +2,46 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from prime_ckpt.collectives import agree_nonce, all_reduce_int, group_info
-from prime_ckpt.errors import (
-    CheckpointError,
-    CheckpointWarning,
-    CorruptCheckpoint,
-    NotCovered,
-    StateMismatch,
-)
+from prime_ckpt.collectives import agree_nonce, group_info
+from prime_ckpt.errors import CheckpointError, CheckpointWarning
 from prime_ckpt.failures import CheckpointFailure, Failures
 from prime_ckpt.faults import fault
+from prime_ckpt.loading import Loading
 from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
-from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
-from prime_ckpt.records import TIERS, CheckpointInfo, SaveHandle, checkpoint_info, parse_keep
-from prime_ckpt.remote import RemoteStore, Uploader, remote_listing
-from prime_ckpt.remote_load import open_remote, settle_remote
-from prime_ckpt.staging import Stager, clean_stale, default_shm_dir
+from prime_ckpt.records import CheckpointInfo, SaveHandle, checkpoint_info, parse_keep
+from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, RemoteStore, Uploader, bounded, remote_listing
+from prime_ckpt.staging import DirectWriter, ram_tier
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
-from prime_ckpt.writer import TMP_PREFIX, DiskCommitter, copy_hashed, disk_steps
+from prime_ckpt.writer import (
+    DISK_TIMEOUT_S,
+    DiskCommitter,
+    copy_hashed,
+    disk_steps,
+    hash_and_sync,
+)
+
+log = logging.getLogger("prime_ckpt")
+# `close()` and `wait_remote()` without a timeout wait this long for an upload at most
+UPLOAD_WAIT_S = 600.0
 
 
-class CheckpointManager:
+class CheckpointManager(Loading):
     """Tiered asynchronous checkpoints of one rank's state.
 
     `save()` copies the state into a shared-memory staging slot and returns; a background
     thread hashes it, writes it to `disk_dir` with fsync and commits it by rename. At most one
     disk copy is in flight: a `save()` issued while the previous one is still being written
-    waits for it, so RAM use stays at two staged copies. With `group` (default: the default
+    waits for it (at most `disk_timeout` s), so RAM holds one staged copy (two with
+    `keep={"ram": 2}`). `ram="disk"` stages in a folder on disk instead; `ram="off"` copies
+    the state straight into the disk tier's temporary folder, with no staging copy. With `group` (default: the default
     process group when torch.distributed is initialized) every rank writes its own shard and
     rank 0 commits once all shards are on disk.
 
@@ -59,6 +65,8 @@ class CheckpointManager:
         remote_retries: int = 5,
         remote_backoff: float = 0.5,
         on_error: Callable[[CheckpointFailure], None] | None = None,
+        ram: str = "shm",
+        disk_timeout: float = DISK_TIMEOUT_S,
     ) -> None:
         self._errors = Failures(on_error)
         self.keep = parse_keep(keep)
@@ -70,12 +78,15 @@ class CheckpointManager:
             raise CheckpointError(f"cannot create checkpoint folder {self.disk_dir}: {e}") from None
         self.group, self.rank, self.world = group_info(group)
         self._nonce = nonce = agree_nonce(self.group)
-        if shm_dir is None:
-            self.shm_dir = default_shm_dir(self.disk_dir, self.rank)
-            clean_stale(self.shm_dir.parent)
-        else:
-            self.shm_dir = Path(shm_dir)
-        self._stager = Stager(self.shm_dir, self.disk_dir, self.rank, self.keep["ram"])
+        if not disk_timeout > 0:
+            raise ValueError(
+                f"disk_timeout must be a positive number of seconds, got {disk_timeout}"
+            )
+        self.disk_timeout = float(disk_timeout)
+        self.ram = ram
+        self._stager, self.shm_dir = ram_tier(
+            ram, shm_dir, self.disk_dir, self.rank, self.keep["ram"]
+        )
         self._committer = DiskCommitter(
             self.disk_dir, self.rank, self.world, nonce, self.keep["disk"], commit_timeout
         )
@@ -118,25 +129,97 @@ class CheckpointManager:
         skeleton, items = flatten(state)  # before touching any slot: a TypeError loses nothing
         total = assign_offsets(items)
         meta = pack_meta(skeleton, items, step=step, rank=self.rank, world_size=self.world)
-        if self._inflight is not None:
-            self._inflight.join()
+        prev = self._inflight
+        handle = SaveHandle(step, self._errors.reported, self.disk_timeout, self._expire)
+        if prev is not None and not self._settle(prev):
+            # the writer still holds the slot: staging over it would tear step `prev`
+            self._record(
+                handle,
+                f"checkpoint step {step} was not saved: the disk write of "
+                f"step {prev.step} {self._stuck}",
+            )
+            handle.finish()
+            return handle
         self._report_warnings()
-        try:
-            slot = self._stager.stage(step, items, total, meta)
-        except OSError as e:
-            raise CheckpointError(
-                f"staging step {step} in {self.shm_dir} failed: {e}; older checkpoints are "
-                "intact (free space in /dev/shm or pass shm_dir= on a larger filesystem)"
-            ) from None
-        handle = SaveHandle(step, self._errors.reported)
+        if isinstance(self._stager, DirectWriter):
+            if not self._write_direct(handle, items, total, meta):
+                return handle
+            slot = None
+        else:
+            try:
+                slot = self._stager.stage(step, items, total, meta)
+            except OSError as e:
+                raise CheckpointError(
+                    f"staging step {step} in {self.shm_dir} failed: {e}; older checkpoints are "
+                    "intact (free space in /dev/shm, pass shm_dir= on a larger filesystem or "
+                    "ram='disk')"
+                ) from None
         self._inflight = handle
         self._jobs.put((handle, slot, dict(metadata or {})))
         return handle
 
+    def _write_direct(self, handle: SaveHandle, items: list, total: int, meta: bytes) -> bool:
+        """`ram="off"`: the files go straight into the disk tier's temporary folder. A failure
+        (a full disk) is a failed save, as in the background, not an exception."""
+        try:
+            self._stager.write(
+                self._committer.tmp_dir(handle.step), handle.step, items, total, meta
+            )
+            return True
+        except OSError as e:
+            msg = self._disk_failure(handle.step, e)
+        self._committer.abort(handle.step, msg)
+        self._record(handle, msg)
+        handle.finish()
+        return False
+
+    @property
+    def _stuck(self) -> str:
+        return (
+            f"has not ended after {self.disk_timeout:g} s (disk_timeout: a hung or very slow "
+            f"disk at {self.disk_dir}); older checkpoints are intact"
+        )
+
+    def _settle(self, handle: SaveHandle) -> bool:
+        """Wait, at most `disk_timeout` s, until the writer is done with `handle`; past that
+        its save is reported failed and False returned. Once a save has been given up on,
+        later calls do not wait for it again."""
+        if handle.ended(0.0 if handle.expired else self.disk_timeout):
+            return True
+        self._expire(handle)
+        return False
+
+    def _expire(self, handle: SaveHandle) -> None:
+        handle.expired = True
+        self._record(
+            handle, f"checkpoint step {handle.step} was not saved to disk: its write " + self._stuck
+        )
+
+    def _record(self, handle: SaveHandle, msg: str) -> None:
+        """A failed save: its handle fails (unless it has ended already), and the failure is
+        listed, logged and counted once."""
+        if not handle.fail(msg):
+            log.info("prime-ckpt: %s", msg)
+            return
+        with self._lock:
+            self._failures[handle.step] = msg
+        self._errors.add(handle.step, "disk", msg)
+
+    def _disk_failure(self, step: int, e: Exception) -> str:
+        msg = f"checkpoint step {step} was not saved to disk: {e}"
+        if isinstance(e, OSError):
+            msg += f" (check free space and permissions of {self.disk_dir})"
+        return msg + "; older checkpoints are intact"
+
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the last save is durable; CheckpointError for failures not yet reported."""
-        if self._inflight is not None and not self._inflight.join(timeout):
-            raise TimeoutError(f"step {self._inflight.step} not durable after {timeout}s")
+        """Block until the last save is durable; CheckpointError for failures not yet reported.
+        TimeoutError past `timeout`; without one, past `disk_timeout` the save is reported
+        failed (a CheckpointError here unless `on_error` was told)."""
+        if self._inflight is not None:
+            if timeout is None:
+                self._settle(self._inflight)
+            elif not self._inflight.join(timeout):
+                raise TimeoutError(f"step {self._inflight.step} not durable after {timeout}s")
         failed = self._errors.take_unreported()
         if failed:
             raise CheckpointError("; ".join(f.message for f in failed))
@@ -163,22 +246,21 @@ class CheckpointManager:
             try:
                 self._write(handle.step, slot, user)
             except Exception as e:  # the thread must survive anything: report, keep running
-                msg = f"checkpoint step {handle.step} was not saved to disk: {e}"
-                if isinstance(e, OSError):
-                    msg += f" (check free space and permissions of {self.disk_dir})"
-                msg += "; older checkpoints are intact"
+                msg = self._disk_failure(handle.step, e)
                 try:
                     self._committer.abort(handle.step, msg)
                 except Exception:
                     pass
-                handle.error = msg  # finish() below marks it done
-                with self._lock:
-                    self._failures[handle.step] = msg
-                self._errors.add(handle.step, "disk", msg)
+                self._record(handle, msg)
             finally:
                 handle.finish()
 
-    def _write(self, step: int, slot: int, user: dict) -> None:
+    def _write(self, step: int, slot: int | None, user: dict) -> None:
+        if slot is None:  # ram="off": save() wrote the files; hash, fsync and commit them
+            tmp = self._committer.tmp_dir(step)
+            names = (data_name(self.rank), meta_name(self.rank))
+            self._committer.commit(step, {n: hash_and_sync(tmp / n) for n in names}, user)
+            return
         src = self._stager.slots[slot]
         tmp = self._committer.tmp_dir(step)
         err: OSError | None = None
@@ -188,7 +270,9 @@ class CheckpointManager:
             err = e
         entries = {}
         for name, point in ((data_name(self.rank), "disk_write"), (meta_name(self.rank), None)):
-            entries[name], e = copy_hashed(src / name, None if err else tmp / name, step, point)
+            entries[name], e = copy_hashed(
+                src / name, None if err else tmp / name, step, point, self.disk_timeout
+            )
             err = err or e
         fault("ram_commit", step)
         extra = {"rank": self.rank, "tier": "ram"}
@@ -199,130 +283,17 @@ class CheckpointManager:
         with self._lock:
             self._failures.pop(step, None)
 
-    # ---- loading ------------------------------------------------------------------------
-
-    def _copies(self, step: int) -> list[tuple[str, Path]]:
-        out = [("ram", self._stager.slots[i]) for s, i in self._stager.committed() if s == step]
-        d = self.disk_dir / step_dirname(step)
-        if d.is_dir():
-            out.append(("disk", d))
-        if step in self._remote_steps():
-            out.append(("remote", d))
-        return out
-
-    def _remote_steps(self) -> list[int]:
-        if self._remote is None:
-            return []
-        try:
-            return self._remote.steps()
-        except Exception as e:  # an unreachable remote must not stop a local restore
-            warnings.warn(f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=4)
-            return []
-
-    def committed_steps(self, tiers: Iterable[str] = TIERS) -> list[int]:
-        """Steps this rank holds a committed copy of in any of `tiers` ("ram", "disk",
-        "remote"), oldest first. Local only (no collective) and not verified: `load()`
-        verifies the copy it uses. An unreachable remote is warned about and counts as empty.
-        """
-        tiers = set(tiers)
-        if tiers - set(TIERS):
-            raise ValueError(f"unknown tiers {sorted(tiers - set(TIERS))}; use {TIERS}")
-        steps: set[int] = set()
-        if "ram" in tiers:
-            steps.update(s for s, _ in self._stager.committed())
-        if "disk" in tiers:
-            steps.update(committed_steps(self.disk_dir))
-        if "remote" in tiers:
-            steps.update(self._remote_steps())
-        return sorted(steps)
-
-    def _open(self, tier: str, path: Path, step: int) -> CheckpointSource:
-        if tier != "remote":
-            return CheckpointSource.open(tier, path)
-        tmp = self.disk_dir / f"{TMP_PREFIX}remote-{step_dirname(step)}-{self._nonce}-r{self.rank}"
-        return open_remote(self._remote, step, tmp, owner=self.rank == 0)
-
-    def _finish(self, plan: Plan | Any, loaded: bool) -> None:
-        """A remote copy, once loaded, becomes the disk copy (rank 0); else it is removed."""
-        if isinstance(plan, Plan) and plan.source.tier == "remote":
-            settle_remote(plan.source, self.disk_dir, adopt=loaded and self.rank == 0)
-
-    def _plan(self, step: int, state: dict, strict: bool) -> tuple[int, Plan | Exception | None]:
-        """(1, plan) when loadable, (0, reason) when no copy verifies, (-1, error) on mismatch."""
-        reasons = []
-        for tier, path in self._copies(step):
-            try:
-                return 1, plan_load(
-                    state, self._open(tier, path, step), self.rank, self.world, strict
-                )
-            except NotCovered as e:
-                reasons.append(str(e))
-            except CorruptCheckpoint as e:
-                warnings.warn(
-                    f"skipping {tier} copy of step {step}: {e}", CheckpointWarning, stacklevel=4
-                )
-                reasons.append(f"{tier}: {e}")
-            except (StateMismatch, TypeError) as e:
-                return -1, e
-        return 0, CheckpointError(
-            f"no copy of step {step} verifies: " + ("; ".join(reasons) or "not found")
-        )
-
-    def _agree(self, code: int, result: Any) -> bool:
-        agreed = all_reduce_int(code, "min", self.group)
-        if agreed == -1:
-            if isinstance(result, Exception) and code == -1:
-                raise result
-            raise StateMismatch(
-                "another rank's state does not match the checkpoint (see its error)"
-            )
-        return agreed == 1
-
-    def load_latest(self, state: dict, strict: bool = True) -> int | None:
-        """Load, in place, the newest checkpoint that verifies (RAM first, then disk).
-
-        Returns its step, or None when there is none. Corrupt copies are skipped with a
-        warning. Raises StateMismatch naming missing/unexpected keys, shapes or dtypes.
-        """
-        bound = 2**62
-        while True:
-            mine = max((s for s in self.committed_steps() if s < bound), default=-1)
-            step = all_reduce_int(mine, "max", self.group)
-            if step < 0:
-                return None
-            code, result = self._plan(step, state, strict)
-            agreed = False
-            try:
-                agreed = self._agree(code, result)
-                if agreed:
-                    apply_plan(result)
-                    return step
-            finally:
-                self._finish(result, agreed)
-            bound = step
-
-    def load(self, step: int, state: dict, strict: bool = True) -> int:
-        """Load one step in place; CheckpointError if it is missing or fails verification."""
-        code, result = self._plan(step, state, strict)
-        agreed = False
-        try:
-            agreed = self._agree(code, result)
-            if not agreed:
-                raise (
-                    result if code == 0 else CheckpointError(f"step {step} failed on another rank")
-                )
-            apply_plan(result)
-            return step
-        finally:
-            self._finish(result, agreed)
-
     def discard_after(self, step: int) -> list[int]:
         """Remove every committed copy of a step newer than `step` (this rank's RAM copies;
         on rank 0 the disk and remote ones) and return those steps. After resuming from
         `step` (0: from scratch) they belong to a future the run makes again: kept, retention
-        would prune the new steps instead. Call it after loading, before the next save."""
-        if self._inflight is not None:
-            self._inflight.join()
+        would prune the new steps instead. Call it after loading, before the next save.
+        CheckpointError if a disk write is still running after `disk_timeout` s."""
+        if self._inflight is not None and not self._settle(self._inflight):
+            raise CheckpointError(
+                f"cannot remove the steps after {step}: the disk write of step "
+                f"{self._inflight.step} {self._stuck}"
+            )
         removed = {s for s, i in self._stager.committed() if s > step}
         for s, i in self._stager.committed():
             if s > step:
@@ -349,7 +320,17 @@ class CheckpointManager:
         for s, msg in failures.items():
             out.append(CheckpointInfo(s, "disk", None, 0, "failed", False, msg))
         if self._remote is not None:
-            out += remote_listing(self._remote, self._remote_steps(), self._uploader)
+            steps = self._remote_steps()
+            try:
+                out += bounded(
+                    lambda: remote_listing(self._remote, steps, self._uploader),
+                    REMOTE_LIST_TIMEOUT_S,
+                    f"reading the manifests of {self._remote.url}",
+                )
+            except Exception as e:  # as an unreachable remote's listing: warned, left out
+                warnings.warn(
+                    f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=2
+                )
         return sorted(out, key=lambda c: (-c.step, c.tier != "ram"))
 
     def serve(
@@ -364,25 +345,33 @@ class CheckpointManager:
 
     def wait_remote(self, timeout: float | None = None) -> bool:
         """Block until the newest committed step is uploaded (or its upload failed); False on
-        timeout. Uploads never make `save()` wait; this is for the end of a run and tests."""
+        timeout. Uploads never make `save()` wait; this is for the end of a run and tests.
+        Without `timeout`: the disk write for `disk_timeout` s at most, the upload for
+        `UPLOAD_WAIT_S` (600 s)."""
         if self._inflight is not None:
             self._inflight.join(timeout)
-        return self._uploader.wait(timeout) if self._uploader is not None else True
+        if self._uploader is None:
+            return True
+        return self._uploader.wait(UPLOAD_WAIT_S if timeout is None else timeout)
 
     def close(self, remote_timeout: float | None = None) -> None:
         """Finish the in-flight save and its upload, and stop. The RAM copy is freed when the
-        newest staged checkpoint is durable on disk, and kept (for the next process) otherwise."""
+        newest staged checkpoint is durable on disk, and kept (for the next process) otherwise.
+        Bounded: the disk write is waited for `disk_timeout` s at most (past it, reported as a
+        failed save and left), the upload `remote_timeout` s (None: `UPLOAD_WAIT_S`)."""
         if self._closed:
             return
         self._closed = True
-        if self._inflight is not None:
-            self._inflight.join()  # the final checkpoint reaches disk (the writer's own waits
-            # are bounded: commit_timeout for the other ranks, the disk for the bytes)
+        # the writer's own waits are bounded too: commit_timeout for the other ranks,
+        # disk_timeout for a write that makes no progress
+        settled = self._inflight is None or self._settle(self._inflight)
         self._jobs.put(None)
-        self._worker.join()
+        self._worker.join(self.disk_timeout if settled else 0.0)
         if self._uploader is not None:
-            # remote_timeout bounds the upload on the way out; the next start finishes it
-            self._uploader.close(remote_timeout)
+            # the upload is bounded on the way out; the next start finishes it
+            self._uploader.close(UPLOAD_WAIT_S if remote_timeout is None else remote_timeout)
+        if self._worker.is_alive():  # stuck on the disk: its files stay, the next start cleans
+            return
         on_disk = [s for s, _ in disk_steps(self.disk_dir)]
         newest = max(on_disk, default=-1)
         if all(s <= newest for s, _ in self._stager.committed()):

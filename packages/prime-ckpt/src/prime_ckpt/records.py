@@ -18,13 +18,27 @@ DEFAULT_KEEP: dict[str, int | None] = {"ram": 1, "disk": 3, "remote": None}
 
 
 class SaveHandle:
-    """What `save()` returns: the step, and a way to wait until it is durable on disk."""
+    """What `save()` returns: the step, and a way to wait until it is durable on disk.
 
-    def __init__(self, step: int, on_report: Any = None) -> None:
+    A wait without a timeout is bounded by the manager's `disk_timeout`: past it the save is
+    reported failed (logged, counted) and the wait returns or raises; it is never endless."""
+
+    def __init__(
+        self,
+        step: int,
+        on_report: Any = None,
+        bound: float | None = None,
+        on_expire: Any = None,
+    ) -> None:
         self.step = step
         self.error: str | None = None
-        self._done = threading.Event()
+        self.expired = False  # given up on: its write passed the bound
+        self._done = threading.Event()  # ended for the caller: committed, failed or expired
+        self._ended = threading.Event()  # the writer thread is finished with it
+        self._lock = threading.Lock()
         self._on_report = on_report
+        self._bound = bound
+        self._on_expire = on_expire
 
     def done(self) -> bool:
         """True once the background save has ended, committed on disk or failed (`error`)."""
@@ -32,19 +46,43 @@ class SaveHandle:
 
     def join(self, timeout: float | None = None) -> bool:
         """Block until the background save has ended, committed or failed, without raising;
-        False if it is still running after `timeout` seconds."""
-        return self._done.wait(timeout)
+        False if it is still running after `timeout` seconds (None: the manager's
+        `disk_timeout`, past which the save is reported failed)."""
+        if timeout is not None or self._bound is None:
+            return self._done.wait(timeout)
+        if not self._done.wait(self._bound) and self._on_expire is not None:
+            self._on_expire(self)
+        return self._done.is_set()
 
     def finish(self, error: str | None = None) -> None:
         """Mark the save ended (by the manager's writer thread); `error` says why it failed."""
-        if error is not None:
+        with self._lock:
+            if error is not None and not self._done.is_set():
+                self.error = error
+            self._done.set()
+        self._ended.set()
+
+    def fail(self, error: str) -> bool:
+        """Mark the save failed now, before the writer is done with it (a bound passed);
+        False if it had ended already (its outcome stands)."""
+        with self._lock:
+            if self._done.is_set():
+                return False
             self.error = error
-        self._done.set()
+            self._done.set()
+            return True
+
+    def ended(self, timeout: float | None) -> bool:
+        """Whether the writer thread is finished with this save (its staging slot is free)."""
+        return self._ended.wait(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is committed on disk; CheckpointError if that failed."""
-        if not self._done.wait(timeout):
+        """Block until the checkpoint is committed on disk; CheckpointError if that failed,
+        TimeoutError past `timeout` (None: past the manager's `disk_timeout` the save is
+        reported failed and CheckpointError raised)."""
+        if timeout is not None and not self._done.wait(timeout):
             raise TimeoutError(f"step {self.step} not durable after {timeout}s")
+        self.join()
         if self.error:
             if self._on_report:
                 self._on_report(self.step)
@@ -82,7 +120,7 @@ def parse_keep(keep: int | Mapping[str, int | None] | None) -> dict[str, int | N
     if out["ram"] not in (1, 2):
         raise ValueError(
             f"keep['ram'] must be 1 or 2 (staging buffers in RAM), got {out['ram']}; to hold "
-            "the RAM tier on disk instead, pass shm_dir= a folder on a disk"
+            "the RAM tier on disk instead, pass ram='disk' (or ram='off': no staging copy)"
         )
     if out.get("remote") is not None and out["remote"] < 1:
         raise ValueError(

@@ -33,6 +33,10 @@ from prime_ckpt.records import CheckpointInfo
 T = TypeVar("T")
 log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
+# the longest a listing, a manifest read or a delete of the remote is waited for where a start
+# or a stop waits on it (load_latest, list, discard_after): a remote that hangs counts as
+# unreachable
+REMOTE_LIST_TIMEOUT_S = 60.0
 
 
 class RemoteStore:
@@ -237,11 +241,11 @@ class Uploader:
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
-    def discard_after(self, step: int, timeout: float = 60.0) -> list[int]:
+    def discard_after(self, step: int, timeout: float = REMOTE_LIST_TIMEOUT_S) -> list[int]:
         """Once idle (at most `timeout` s), delete the committed remote steps newer than
         `step`; returns them. A step that cannot be deleted, a remote that cannot be listed
-        within `timeout`, or an uploader still busy is logged and left: a later upload
-        replaces such a step."""
+        within `timeout` (each delete too), or an uploader still busy is logged and left: a
+        later upload replaces such a step."""
         if not self.wait(timeout):
             log.warning(
                 "prime-ckpt: %s still uploading after %.0f s; newer remote steps are left",
@@ -258,7 +262,7 @@ class Uploader:
         for s in steps:
             if s > step:
                 try:
-                    self.store.delete(s)
+                    bounded(lambda s=s: self.store.delete(s), timeout, f"removing step {s}")
                     removed.append(s)
                 except Exception as e:
                     log.warning(

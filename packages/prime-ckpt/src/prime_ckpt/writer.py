@@ -8,6 +8,7 @@ ranks consider the step durable once the committed folder appears.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -38,22 +39,34 @@ log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+# the longest a disk write may make no progress, and the longest `save()`, `wait()`,
+# `discard_after()` and `close()` wait for one (CheckpointManager's `disk_timeout`)
+DISK_TIMEOUT_S = 600.0
 
 
-def copy_hashed(src: Path, dst: Path | None, step: int, fault_point: str | None = None):
+def copy_hashed(
+    src: Path,
+    dst: Path | None,
+    step: int,
+    fault_point: str | None = None,
+    stall_timeout: float = DISK_TIMEOUT_S,
+):
     """Hash `src` and copy it to `dst` with fsync. Returns (entry, error): the hash is always
     computed (the RAM copy needs it) even when writing `dst` fails. Writing runs on a helper
-    thread so that hashing and disk writes overlap (both release the GIL)."""
+    thread so that hashing and disk writes overlap (both release the GIL). A write that makes
+    no progress for `stall_timeout` s (a hung disk) is an error, and the helper is left to
+    close the file whenever its write returns."""
     h = hashlib.sha256()
     size = src.stat().st_size
     err: list[OSError] = []
     out = None
     if dst is not None:
         try:
-            out = open(dst, "wb")  # noqa: SIM115 - closed below
+            out = open(dst, "wb")  # noqa: SIM115 - closed below, or by the writer once stalled
         except OSError as e:
             err.append(e)
     chunks: queue.Queue = queue.Queue(maxsize=4)
+    stalled = threading.Event()
 
     def write() -> None:
         while (chunk := chunks.get()) is not None:
@@ -63,35 +76,75 @@ def copy_hashed(src: Path, dst: Path | None, step: int, fault_point: str | None 
                     out.write(chunk)
                 except OSError as e:
                     err.append(e)
+            if stalled.is_set():  # given up on: nobody reads the queue or closes the file
+                _close_quietly(out)
+                return
 
-    writer = threading.Thread(target=write, name="prime-ckpt-write") if out else None
+    writer = threading.Thread(target=write, name="prime-ckpt-write", daemon=True) if out else None
     if writer:
         writer.start()
     done = 0
     try:
         with open(src, "rb") as f:
             while chunk := f.read(_CHUNK):
-                if writer:
-                    chunks.put(chunk)
+                if writer and not stalled.is_set():
+                    _put(chunks, chunk, stall_timeout, stalled)
                 h.update(chunk)
                 done += len(chunk)
                 if fault_point and done >= size // 2:
                     fault(fault_point, step)
                     fault_point = None
     finally:
-        if writer:
-            chunks.put(None)
-            writer.join()
-    if out is not None:
-        try:
-            if not err:
-                out.flush()
-                os.fsync(out.fileno())
-            out.close()
-        except OSError as e:
-            err.append(e)
-            _close_quietly(out)
+        if writer and not stalled.is_set():
+            _put(chunks, None, stall_timeout, stalled)
+            writer.join(stall_timeout)
+            if writer.is_alive():
+                stalled.set()
+    if stalled.is_set():
+        err.insert(0, _stall_error(dst, stall_timeout))
+    elif out is not None:
+        _sync_and_close(out, err)
     return FileEntry(done, h.hexdigest()), (err[0] if err else None)
+
+
+def _sync_and_close(out, err: list[OSError]) -> None:
+    """fsync (unless a write failed already) and close; a failure joins `err`."""
+    try:
+        if not err:
+            out.flush()
+            os.fsync(out.fileno())
+        out.close()
+    except OSError as e:
+        err.append(e)
+        _close_quietly(out)
+
+
+def _put(chunks: queue.Queue, item, timeout: float, stalled: threading.Event) -> None:
+    """Hand `item` to the writer; a writer that takes nothing for `timeout` s has stalled."""
+    try:
+        chunks.put(item, timeout=timeout)
+    except queue.Full:
+        stalled.set()
+
+
+def _stall_error(dst: Path | None, timeout: float) -> OSError:
+    return OSError(
+        errno.ETIMEDOUT,
+        f"writing {dst} made no progress for {timeout:.0f} s (disk_timeout: a hung or very "
+        "slow disk)",
+    )
+
+
+def hash_and_sync(path: Path) -> FileEntry:
+    """`ram="off"`: the size and SHA-256 of a file `save()` wrote, made durable by fsync."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())
+    return FileEntry(size, h.hexdigest())
 
 
 def _close_quietly(f) -> None:
@@ -264,4 +317,11 @@ def disk_steps(disk_dir: Path) -> list[tuple[int, Manifest | None]]:
     return out
 
 
-__all__ = ["DiskCommitter", "copy_hashed", "disk_steps", "parse_step_dirname"]
+__all__ = [
+    "DISK_TIMEOUT_S",
+    "DiskCommitter",
+    "copy_hashed",
+    "hash_and_sync",
+    "disk_steps",
+    "parse_step_dirname",
+]

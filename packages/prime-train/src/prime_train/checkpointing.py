@@ -99,7 +99,9 @@ class Checkpointer:
 
     Every checkpoint carries `identity` (the run's name and config hash) in its manifest;
     `check_owner()` refuses folders and remote prefixes holding another run's checkpoints.
-    `keep` checkpoints are kept on disk and in the remote store.
+    `keep` checkpoints are kept on disk and in the remote store. `ram` ("shm", "disk", "off")
+    is where a checkpoint is staged (`ckpt.ram`, prime_ckpt's `CheckpointManager(ram=)`);
+    `disk_timeout_s` bounds every wait on a disk write (`ckpt.disk_timeout_s`).
 
     A save or upload that fails in the background does not stop training: prime_ckpt says
     it in one line (its `prime_ckpt` logger, printed as a line of the node's log by
@@ -116,6 +118,8 @@ class Checkpointer:
         remote_options: dict[str, Any] | None = None,
         identity: dict[str, str] | None = None,
         upload_timeout_s: float | None = None,
+        ram: str = "shm",
+        disk_timeout_s: float = 600.0,
     ):
         self.disk_dir, self.every, self.remote = disk_dir, every, remote
         self.upload_timeout_s = upload_timeout_s
@@ -128,6 +132,8 @@ class Checkpointer:
             keep={"disk": keep, "remote": keep},
             group=group,
             on_error=self._failed,
+            ram=ram,
+            disk_timeout=disk_timeout_s,
         )
         self.last_saved: int | None = None
         self._last: SaveHandle | None = None

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_train.config_multinode import DilocoConfig, LaunchConfig, MeshConfig
 from prime_train.config_section import Section, check_folder_name
@@ -142,7 +142,16 @@ class CkptConfig(Section):
     every: int = Field(100, ge=0, description="checkpoint every N steps (0: only when stopping)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
     dir: Path | None = Field(None, description="checkpoint folder (default RUNS_DIR/NAME/ckpt)")
-    shm_dir: Path | None = Field(None, description="RAM tier folder, e.g. /dev/shm/prime")
+    ram: Literal["shm", "disk", "off"] = Field(
+        "shm",
+        description="where a checkpoint is staged before it is written to disk: 'shm' (the RAM "
+        "tier, one checkpoint in /dev/shm, 20 B/param of a DiLoCo node), 'disk' (the same "
+        "staging slot in a folder on disk, ckpt/.staging-rN or shm_dir: no RAM, a slower save) "
+        "or 'off' (no staging copy: each save writes straight to disk while the loop waits)",
+    )
+    shm_dir: Path | None = Field(
+        None, description="staging folder (default: one in /dev/shm, or in ckpt/ with ram='disk')"
+    )
     remote: str | None = Field(None, description="fsspec URL for a remote copy (s3://...)")
     upload_timeout_s: float = Field(
         60.0,
@@ -150,11 +159,27 @@ class CkptConfig(Section):
         description="on the way out, the longest the final checkpoint's upload is waited for "
         "(it is on disk by then; the next start finishes the upload)",
     )
+    disk_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="the longest a checkpoint's disk write is waited for (by the next save, "
+        "and on the way out) and may make no progress; past it that save is said and counted "
+        "as failed and the node goes on (a hung disk or NFS mount never hangs the node)",
+    )
     remote_options: dict[str, Any] = Field(
         default_factory=dict,
         description="fsspec storage options for `remote` (e.g. endpoint_url); never saved to "
         "the run folder. Credentials are best left to the environment (AWS_ACCESS_KEY_ID, ...)",
     )
+
+    @model_validator(mode="after")
+    def _staging(self) -> CkptConfig:
+        if self.ram == "off" and self.shm_dir is not None:
+            raise ValueError(
+                f"shm_dir = {str(self.shm_dir)!r} has no use with ram = 'off' (nothing is "
+                "staged); leave shm_dir out, or use ram = 'disk' to stage in that folder"
+            )
+        return self
 
 
 class Config(Section):
@@ -214,7 +239,16 @@ MACHINE_LOCAL: dict[str, tuple[str, ...]] = {
     "launch": ("status_port",),
     # micro_batch_size: memory, not the math; stop_within_s: a node's own patience
     "train": ("threads", "device", "micro_batch_size", "stop_within_s"),
-    "ckpt": ("dir", "shm_dir", "remote", "keep", "upload_timeout_s"),
+    # ram: where this machine stages a checkpoint (its memory), not what is saved
+    "ckpt": (
+        "dir",
+        "shm_dir",
+        "ram",
+        "remote",
+        "keep",
+        "upload_timeout_s",
+        "disk_timeout_s",
+    ),
     # a node's own patience and disk, not the math
     "diloco": ("max_rejoins", "max_missed_rounds", "rejoin_wait_s", "replay_rounds"),
 }

@@ -93,6 +93,8 @@ class Run:
             remote_options=cfg.ckpt.remote_options,
             identity={"run": cfg.run.name, "config_hash": cfg.fingerprint_hash()},
             upload_timeout_s=cfg.ckpt.upload_timeout_s,
+            ram=cfg.ckpt.ram,
+            disk_timeout_s=cfg.ckpt.disk_timeout_s,
         )
         try:
             self.ckpt.check_owner()

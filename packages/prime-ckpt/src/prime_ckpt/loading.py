@@ -1,0 +1,144 @@
+"""The loading half of CheckpointManager: which copies exist, and loading the newest that
+verifies on every rank (RAM, then disk, then remote)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from prime_ckpt.collectives import all_reduce_int
+from prime_ckpt.errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    NotCovered,
+    StateMismatch,
+)
+from prime_ckpt.manifest import committed_steps, step_dirname
+from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
+from prime_ckpt.records import TIERS
+from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, bounded
+from prime_ckpt.remote_load import open_remote, settle_remote
+from prime_ckpt.writer import TMP_PREFIX
+
+
+class Loading:
+    """Mixed into CheckpointManager, whose attributes it reads (`_stager`, `disk_dir`,
+    `_remote`, `group`, `rank`, `world`, `_nonce`)."""
+
+    def _copies(self, step: int) -> list[tuple[str, Path]]:
+        out = [("ram", self._stager.slots[i]) for s, i in self._stager.committed() if s == step]
+        d = self.disk_dir / step_dirname(step)
+        if d.is_dir():
+            out.append(("disk", d))
+        if step in self._remote_steps():
+            out.append(("remote", d))
+        return out
+
+    def _remote_steps(self) -> list[int]:
+        if self._remote is None:
+            return []
+        try:
+            return bounded(self._remote.steps, REMOTE_LIST_TIMEOUT_S, f"listing {self._remote.url}")
+        except Exception as e:  # an unreachable remote must not stop a local restore
+            warnings.warn(f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=4)
+            return []
+
+    def committed_steps(self, tiers: Iterable[str] = TIERS) -> list[int]:
+        """Steps this rank holds a committed copy of in any of `tiers` ("ram", "disk",
+        "remote"), oldest first. Local only (no collective) and not verified: `load()`
+        verifies the copy it uses. An unreachable remote is warned about and counts as empty.
+        """
+        tiers = set(tiers)
+        if tiers - set(TIERS):
+            raise ValueError(f"unknown tiers {sorted(tiers - set(TIERS))}; use {TIERS}")
+        steps: set[int] = set()
+        if "ram" in tiers:
+            steps.update(s for s, _ in self._stager.committed())
+        if "disk" in tiers:
+            steps.update(committed_steps(self.disk_dir))
+        if "remote" in tiers:
+            steps.update(self._remote_steps())
+        return sorted(steps)
+
+    def _open(self, tier: str, path: Path, step: int) -> CheckpointSource:
+        if tier != "remote":
+            return CheckpointSource.open(tier, path)
+        tmp = self.disk_dir / f"{TMP_PREFIX}remote-{step_dirname(step)}-{self._nonce}-r{self.rank}"
+        return open_remote(self._remote, step, tmp, owner=self.rank == 0)
+
+    def _finish(self, plan: Plan | Any, loaded: bool) -> None:
+        """A remote copy, once loaded, becomes the disk copy (rank 0); else it is removed."""
+        if isinstance(plan, Plan) and plan.source.tier == "remote":
+            settle_remote(plan.source, self.disk_dir, adopt=loaded and self.rank == 0)
+
+    def _plan(self, step: int, state: dict, strict: bool) -> tuple[int, Plan | Exception | None]:
+        """(1, plan) when loadable, (0, reason) when no copy verifies, (-1, error) on mismatch."""
+        reasons = []
+        for tier, path in self._copies(step):
+            try:
+                return 1, plan_load(
+                    state, self._open(tier, path, step), self.rank, self.world, strict
+                )
+            except NotCovered as e:
+                reasons.append(str(e))
+            except CorruptCheckpoint as e:
+                warnings.warn(
+                    f"skipping {tier} copy of step {step}: {e}", CheckpointWarning, stacklevel=4
+                )
+                reasons.append(f"{tier}: {e}")
+            except (StateMismatch, TypeError) as e:
+                return -1, e
+        return 0, CheckpointError(
+            f"no copy of step {step} verifies: " + ("; ".join(reasons) or "not found")
+        )
+
+    def _agree(self, code: int, result: Any) -> bool:
+        agreed = all_reduce_int(code, "min", self.group)
+        if agreed == -1:
+            if isinstance(result, Exception) and code == -1:
+                raise result
+            raise StateMismatch(
+                "another rank's state does not match the checkpoint (see its error)"
+            )
+        return agreed == 1
+
+    def load_latest(self, state: dict, strict: bool = True) -> int | None:
+        """Load, in place, the newest checkpoint that verifies (RAM first, then disk).
+
+        Returns its step, or None when there is none. Corrupt copies are skipped with a
+        warning. Raises StateMismatch naming missing/unexpected keys, shapes or dtypes.
+        """
+        bound = 2**62
+        while True:
+            mine = max((s for s in self.committed_steps() if s < bound), default=-1)
+            step = all_reduce_int(mine, "max", self.group)
+            if step < 0:
+                return None
+            code, result = self._plan(step, state, strict)
+            agreed = False
+            try:
+                agreed = self._agree(code, result)
+                if agreed:
+                    apply_plan(result)
+                    return step
+            finally:
+                self._finish(result, agreed)
+            bound = step
+
+    def load(self, step: int, state: dict, strict: bool = True) -> int:
+        """Load one step in place; CheckpointError if it is missing or fails verification."""
+        code, result = self._plan(step, state, strict)
+        agreed = False
+        try:
+            agreed = self._agree(code, result)
+            if not agreed:
+                raise (
+                    result if code == 0 else CheckpointError(f"step {step} failed on another rank")
+                )
+            apply_plan(result)
+            return step
+        finally:
+            self._finish(result, agreed)
