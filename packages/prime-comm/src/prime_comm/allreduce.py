@@ -66,6 +66,38 @@ class AllReduceStats:
         return ring_bytes(self.numel, self.world_size)
 
 
+def _argument_problem(
+    tensor: torch.Tensor,
+    op_i: int,
+    op: str,
+    comp_i: int,
+    compression: str,
+    piece_size: int,
+    residual: torch.Tensor | None,
+) -> Exception | None:
+    """The first problem with `all_reduce`'s arguments on this rank (told to every rank by
+    the preflight exchange), or None."""
+    problem = tensor_problem(tensor, "tensor")
+    if problem is None and tensor.requires_grad:
+        problem = ValueError(
+            "tensor requires grad and all_reduce writes in place; pass tensor.detach() "
+            "(it shares the memory, so the result still lands in tensor)"
+        )
+    if op_i < 0:
+        problem = problem or ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    if comp_i < 0:
+        problem = problem or ValueError(
+            f"compression must be 'uint8', 'uint4', 'uint2' or 'none', got {compression!r}"
+        )
+    if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < MIN_PIECE:
+        problem = problem or ValueError(
+            f"piece_size must be an int >= {MIN_PIECE}, got {piece_size!r}"
+        )
+    if problem is None and residual is not None:
+        problem = _residual_problem(residual, tensor)
+    return problem
+
+
 def all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | _C10dBackend | None = None,
@@ -105,26 +137,10 @@ def all_reduce(
     waiter = Waiter(timeout_s, should_abort, "all_reduce")
     waiter.check()
 
-    problem = problem or tensor_problem(tensor, "tensor")
-    if problem is None and tensor.requires_grad:
-        problem = ValueError(
-            "tensor requires grad and all_reduce writes in place; pass tensor.detach() "
-            "(it shares the memory, so the result still lands in tensor)"
-        )
     op_i = _index(_preflight.OPS, op)
     comp_i = _index(_preflight.COMPRESSIONS, compression)
-    if op_i < 0:
-        problem = problem or ValueError(f"op must be 'avg' or 'sum', got {op!r}")
-    if comp_i < 0:
-        problem = problem or ValueError(
-            f"compression must be 'uint8', 'uint4', 'uint2' or 'none', got {compression!r}"
-        )
-    if isinstance(piece_size, bool) or not isinstance(piece_size, int) or piece_size < MIN_PIECE:
-        problem = problem or ValueError(
-            f"piece_size must be an int >= {MIN_PIECE}, got {piece_size!r}"
-        )
-    if problem is None and residual is not None:
-        problem = _residual_problem(residual, tensor)
+    problem = problem or _argument_problem(tensor, op_i, op, comp_i, compression, piece_size,
+                                           residual)  # fmt: skip
     ok = problem is None
     numel = tensor.numel() if ok else -1
     finite = ok and _kernels.all_finite(tensor.data_ptr(), numel)

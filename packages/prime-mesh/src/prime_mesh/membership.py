@@ -29,7 +29,7 @@ from typing import Any
 
 from prime_mesh.departures import Departures, log_departure
 from prime_mesh.membership_views import MembershipViews
-from prime_mesh.node import Conn, Node, name_held
+from prime_mesh.node import Conn, Node, fresh_id, name_held
 from prime_mesh.progress import History
 from prime_mesh.reform import (
     Completed,
@@ -45,9 +45,6 @@ from prime_mesh.round_requests import Ballot, RoundRequests, Slot, outer_of, rep
 
 log = logging.getLogger("prime_mesh.coordinator")
 _HELD: Slot = ("", -1)  # a slot no node sends: a vote waits while departures are batched
-
-# the start of the eviction reason of a member whose outer weights differ from the others'
-DIVERGED = "outer weights differ from the other members'"
 
 
 class Membership(MembershipViews):
@@ -111,12 +108,9 @@ class Membership(MembershipViews):
             self._seq = max(self._seq, resume.highest_number)
         node = self.nodes.get(key)
         if node is None:
-            if resume is not None:  # a reconnected node keeps its id
-                node_id = resume.node_id
-            elif name is not None:
-                node_id = name
-            else:
-                node_id = self._fresh_id(set(others))
+            node_id = resume.node_id if resume is not None else name  # (a reconnected: its id)
+            if node_id is None:
+                self._seq, node_id = fresh_id(self._seq, set(others))
             node = Node(key, node_id, lws, metadata, reg.heartbeat_timeout,
                         sync_timeout=reg.sync_timeout)  # fmt: skip
             node.resume = resume
@@ -153,13 +147,6 @@ class Membership(MembershipViews):
         if completed and node.member:
             self.completed = node.metadata.get("config_hash")
         self.evict(node, "left gracefully")
-
-    def _fresh_id(self, taken: set[str]) -> str:
-        """The next "node-N" for a node registered without a name (never a live node's)."""
-        while True:
-            self._seq += 1
-            if f"node-{self._seq}" not in taken:
-                return f"node-{self._seq}"
 
     def ready(self, node: Node, lr: int) -> None:
         """Local rank `lr` of `node` is ready to be admitted (a no-op once it is a member)."""
@@ -203,15 +190,7 @@ class Membership(MembershipViews):
             self.epoch, seq, (node.key, lr), ballot, required, self.members, self.clock()
         )
         for key in dict.fromkeys(o.slot[0] for o in odd):  # (once per node)
-            o = next(o for o in odd if o.slot[0] == key)
-            (step, mine), (theirs_step, theirs) = o.outer, o.majority
-            self.evict(
-                self.nodes[key],
-                f"{DIVERGED} at the vote on outer step {theirs_step + 1}: this node holds "
-                f"outer step {step} with hash {mine[:16]}, {o.agreeing} of {o.voting} "
-                f"contributing ranks hold outer step {theirs_step} with hash {theirs[:16]}; "
-                "it rejoins through live recovery",
-            )
+            self.evict(self.nodes[key], next(o for o in odd if o.slot[0] == key).reason())
 
     def evict(self, node: Node, reason: str) -> None:
         """Evict `node`: a joiner at once, a member with the batch of departures (see
@@ -319,9 +298,7 @@ class Membership(MembershipViews):
         joined: list[str] | None = None,
     ) -> None:
         self.epoch += 1
-        self.prefix = secrets.token_hex(
-            16
-        )  # 128 bits, only ever sent over the authenticated channel
+        self.prefix = secrets.token_hex(16)  # 128 bits, sent over the authenticated channel only
         # Nodes admitted at the members' sync point: that sync point counts as theirs, so their
         # first one must not wait for the members' next (nodes that formed the run meet at
         # their first sync point, as no sync point admitted them).

@@ -21,6 +21,14 @@ from prime_mesh.wire import resolve_token
 log = logging.getLogger("prime_mesh")
 
 
+def _check_arguments(name: str | None, coordinator_grace_s: float) -> None:
+    """ValueError naming a bad `name` or `coordinator_grace_s`."""
+    if name is not None:
+        check_name(name)
+    if coordinator_grace_s < 0:
+        raise ValueError(f"coordinator_grace_s must be >= 0, got {coordinator_grace_s}")
+
+
 class ElasticDeviceMesh(MeshViews):
     """Joins a run through its coordinator and keeps this local rank's inter-node gloo group.
 
@@ -86,20 +94,15 @@ class ElasticDeviceMesh(MeshViews):
     ) -> None:
         key = resolve_token(token)
         sync_timeout = checked_sync_timeout(sync_timeout)
-        if name is not None:
-            check_name(name)
         host = node_host(coordinator, host)
-        if coordinator_grace_s < 0:
-            raise ValueError(f"coordinator_grace_s must be >= 0, got {coordinator_grace_s}")
+        _check_arguments(name, coordinator_grace_s)
         self.metadata = checked_metadata(metadata, heartbeat_interval, heartbeat_timeout)
         self.local_rank, self.local_world_size = local_env(local_rank, local_world_size)
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
         self._join_timeout = join_timeout
         self._epoch: Epoch | None = None  # the installed epoch, whose group _pg is
         self._pg: Any = None
-        self._suspect = False
-        self._vote_seq = 0
+        self._suspect, self._vote_seq = False, 0
         # "auto": the coordinator decides at registration (`joining`)
         auto = wait_until_ready == "auto"
         self._ready = not wait_until_ready
@@ -108,24 +111,20 @@ class ElasticDeviceMesh(MeshViews):
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
         self.coordinator_grace_s = coordinator_grace_s
         self._outer: tuple[int, str] = (0, "")  # last committed outer step and weight hash
-        # why the last sync point found this node's norm far outside the others' (see
-        # `maybe_reinit_global_pg`); None: it did not
-        self.norm_outlier: str | None = None
-        register = {
-            "type": "register",
-            "node_key": shared_node_key(self.local_world_size, node_key),
-            "local_rank": self.local_rank,
-            "local_world_size": self.local_world_size,
-            "metadata": self.metadata,
-            "heartbeat_timeout": heartbeat_timeout,
-            "sync_timeout": sync_timeout,
-        }
-        if name is not None:
-            register["name"] = name
+        self.norm_outlier: str | None = None  # see `maybe_reinit_global_pg`
         self._session = Session(
             coordinator,
             key,
-            register,
+            {
+                "type": "register",
+                "node_key": shared_node_key(self.local_world_size, node_key),
+                "local_rank": self.local_rank,
+                "local_world_size": self.local_world_size,
+                "metadata": self.metadata,
+                "heartbeat_timeout": heartbeat_timeout,
+                "sync_timeout": sync_timeout,
+                **({"name": name} if name is not None else {}),
+            },
             first={"ready": "auto" if auto else self._ready},
             host=host,
             local_rank=self.local_rank,

@@ -51,3 +51,12 @@ def name_held(holder: Node, state: str, now: float) -> str:
         "other one. A node restarted under its name after it died takes it back once the "
         f"coordinator has evicted the old one (heartbeat timeout {holder.heartbeat_timeout:g} s)"
     )
+
+
+def fresh_id(seq: int, taken: set[str]) -> tuple[int, str]:
+    """The next "node-N" after counter `seq` for a node registered without a name (never one
+    in `taken`): (the counter, the id)."""
+    while True:
+        seq += 1
+        if f"node-{seq}" not in taken:
+            return seq, f"node-{seq}"

@@ -45,6 +45,10 @@ class Ballot:
     outer: Outer | None  # None: it did not say (a listener, or an older client)
 
 
+# the start of the eviction reason of a member whose outer weights differ from the others'
+DIVERGED = "outer weights differ from the other members'"
+
+
 @dataclass(frozen=True)
 class Odd:
     """A ballot whose outer state differs from the majority's."""
@@ -54,6 +58,16 @@ class Odd:
     majority: Outer
     agreeing: int  # how many contributing ballots hold the majority's
     voting: int  # how many contributing ballots said
+
+    def reason(self) -> str:
+        """The eviction reason its node is told (it starts with `DIVERGED`)."""
+        (step, mine), (theirs_step, theirs) = self.outer, self.majority
+        return (
+            f"{DIVERGED} at the vote on outer step {theirs_step + 1}: this node holds outer "
+            f"step {step} with hash {mine[:16]}, {self.agreeing} of {self.voting} contributing "
+            f"ranks hold outer step {theirs_step} with hash {theirs[:16]}; it rejoins through "
+            "live recovery"
+        )
 
 
 def outer_of(msg: dict) -> Outer | None:

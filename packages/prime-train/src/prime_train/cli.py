@@ -20,10 +20,14 @@ import sys
 import threading
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prime_train.config_load import describe_fields, load_config
 from prime_train.errors import ConfigError
 from prime_train.host_memory import return_freed_memory
+
+if TYPE_CHECKING:
+    from prime_train.config import Config
 
 
 def _fail(msg: str) -> int:
@@ -140,27 +144,36 @@ def main(argv: list[str] | None = None) -> int:
     launched = launcher_index() is not None or "LOCAL_RANK" in os.environ  # launcher, torchrun
     several = cfg.launch.local_nodes > 1 or cfg.launch.ranks_per_node > 1
     if several and not launched and not cfg.mesh.coordinator:
-        from prime_mesh import MeshError
-        from prime_train.launch import launch_local_nodes
-        from prime_train.local_coordinator import local_coordinator
-        from prime_train.preflight import check_settings
-        from prime_train.tokens import DataError
+        return _launch_local(cfg, argv)
+    return _train(cfg)
 
-        try:
-            check_settings(cfg)
-        except ConfigError as e:
-            return _fail(f"config error: {e}")
-        except DataError as e:
-            return _fail(str(e))
 
-        coordinator = partial(local_coordinator, status_port=cfg.launch.status_port)
-        try:
-            return launch_local_nodes(
-                argv, cfg.launch.local_nodes, coordinator, ranks_per_node=cfg.launch.ranks_per_node
-            )
-        except (MeshError, OSError) as e:  # the status page: extra missing, port taken
-            return _fail(str(e))
+def _launch_local(cfg: Config, argv: list[str]) -> int:
+    """Simulate the run's nodes as local processes (`[launch]`), with a local coordinator."""
+    from prime_mesh import MeshError
+    from prime_train.launch import launch_local_nodes
+    from prime_train.local_coordinator import local_coordinator
+    from prime_train.preflight import check_settings
+    from prime_train.tokens import DataError
 
+    try:
+        check_settings(cfg)
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
+    except DataError as e:
+        return _fail(str(e))
+
+    coordinator = partial(local_coordinator, status_port=cfg.launch.status_port)
+    try:
+        return launch_local_nodes(
+            argv, cfg.launch.local_nodes, coordinator, ranks_per_node=cfg.launch.ranks_per_node
+        )
+    except (MeshError, OSError) as e:  # the status page: extra missing, port taken
+        return _fail(str(e))
+
+
+def _train(cfg: Config) -> int:
+    """This process's node (or local rank): train, and say how it ended in one line."""
     _exit_0_on_a_stop_while_starting()
     from prime_mesh import MeshError, RunCompleted
     from prime_train.diloco import OuterStepFailed

@@ -83,7 +83,24 @@ class Run:
             self.run_dir / f"metrics{node.suffix}.jsonl" if self.primary else None
         )
         self.ckpt_dir = placement.ckpt_dir
-        self.ckpt = checkpointing.Checkpointer(
+        self.ckpt = self._open_checkpoints()
+        self.log.info(
+            f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
+            f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, "
+            + (
+                f"FSDP2 over {placement.world_size} rank(s)"
+                if uses_fsdp(placement.device_mesh, cfg.train)
+                else "one rank, unsharded"
+            )
+            + f"; {len(train_seqs)} train / {len(held_seqs)} held-out "
+            f"sequences of {cfg.data.seq_len} tokens"
+        )
+
+    def _open_checkpoints(self) -> checkpointing.Checkpointer:
+        """This node's checkpoint tiers (its folder, RAM staging, the remote); warns when the
+        remote holds only other nodes' checkpoints."""
+        cfg, placement, node = self.cfg, self.placement, self.placement.node
+        ckpt = checkpointing.Checkpointer(
             self.ckpt_dir,
             cfg.ckpt.every,
             cfg.ckpt.keep,
@@ -97,29 +114,19 @@ class Run:
             disk_timeout_s=cfg.ckpt.disk_timeout_s,
         )
         try:
-            self.ckpt.check_owner()
+            ckpt.check_owner()
         except BaseException:
-            self.ckpt.close()
+            ckpt.close()
             raise
-        if cfg.ckpt.remote and self.primary and not self.ckpt.committed_steps():
+        if cfg.ckpt.remote and self.primary and not ckpt.committed_steps():
             others = checkpointing.other_node_prefixes(cfg, node.name)
             if others:
-                log.warn(
+                self.log.warn(
                     f"no checkpoint of node {node.name!r} in any tier, but {cfg.ckpt.remote} "
                     f"holds {others}: a node restarted on a new machine finds its checkpoints "
                     "only under its former --mesh.node_name"
                 )
-        self.log.info(
-            f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
-            f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, "
-            + (
-                f"FSDP2 over {placement.world_size} rank(s)"
-                if uses_fsdp(placement.device_mesh, cfg.train)
-                else "one rank, unsharded"
-            )
-            + f"; {len(train_seqs)} train / {len(held_seqs)} held-out "
-            f"sequences of {cfg.data.seq_len} tokens"
-        )
+        return ckpt
 
     def inner_step(self, step: int) -> torch.Tensor | None:
         """One optimizer step on the next batch; returns the loss (not synchronised). None:

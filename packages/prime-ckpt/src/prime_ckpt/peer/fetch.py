@@ -45,14 +45,7 @@ from prime_ckpt.peer.auth import resolve_token
 from prime_ckpt.peer.catalog import Offer
 from prime_ckpt.peer.client import Connection, normalize_url
 from prime_ckpt.peer.journal import JOURNAL, Journal
-from prime_ckpt.peer.shared import (
-    adopt,
-    common_ranges,
-    data_file,
-    helper_ranges,
-    meta_files,
-    read_file,
-)
+from prime_ckpt.peer.shared import meta_files, read_file, shared_plan
 from prime_ckpt.peer.transfer import Download
 
 log = logging.getLogger("prime_ckpt.peer")
@@ -289,6 +282,18 @@ def _primary_metas(
     return metas
 
 
+def _log_fetched(step: int, target: Path, download: Download, seconds: float) -> None:
+    log.info(
+        "fetched step %d into %s: %.1f MB new in %.1fs (%.1f MB/s) from %d donor(s)",
+        step,
+        target,
+        download.fetched / 1e6,
+        seconds,
+        download.fetched / 1e6 / max(seconds, 1e-9),
+        len(download.by_donor),
+    )
+
+
 def fetch_checkpoint(
     urls: str | Sequence[str],
     dest: str | Path,
@@ -304,12 +309,11 @@ def fetch_checkpoint(
     alike, the rest from the donors of one checkpoint (the digest most donors offer). When
     all of those die mid-transfer, another donor's checkpoint of the same step is taken (a
     helper's, which its serving leased), keeping the shared bytes already in; if none is
-    left, the newest the donors left offer. Every file is checked against the committed checkpoint's
-    SHA-256; a file that fails is fetched again from its digest's donors alone. `pace`, if
-    given, is called with the size of each read of the files' bytes before it and may block
-    to hold the transfer or cap its rate (a joiner yields its link to its own all-reduce that
-    way); reads are then small and each
-    connection's receive window too, so a held transfer stops its donors within a moment."""
+    left, the newest the donors left offer. Every file is checked against the committed
+    checkpoint's SHA-256; a file that fails is fetched again from its digest's donors alone.
+    `pace`, if given, is called with the size of each read before it and may block to hold
+    the transfer or cap its rate (reads and each receive window are then small, so a held
+    transfer stops its donors within a moment)."""
     key = resolve_token(token)
     urls = _checked_urls(urls, connections, timeout, chunk_bytes)
     dest = Path(dest)
@@ -331,18 +335,8 @@ def fetch_checkpoint(
         helpers, ranges, metas = {}, {}, {}
         if shared:
             metas = _primary_metas(folder, offer, donors, key, timeout)
-            others = [o for o in offers if o.step == offer.step and o.digest != offer.digest]
-            helpers, ranges = helper_ranges(metas, others, shared, key, timeout)
-            if previous is not None and previous[0] != folder and previous[1] == offer.step:
-                common = {
-                    data_file(m): common_ranges(metas[m], previous[2][m], shared)
-                    for m in metas
-                    if m in previous[2]
-                }
-                kept = adopt(previous[0], folder, common, JOURNAL)
-                log.info("kept %.1f MB of shared tensors from the abandoned transfer", kept / 1e6)
-            if helpers:
-                log.info("%d more donor(s) help with the shared tensors", len(helpers))
+            helpers, ranges = shared_plan(folder, offer, offers, metas, shared, key, timeout,
+                                          previous)  # fmt: skip
         download = Download(
             folder,
             offer.manifest,
@@ -369,17 +363,7 @@ def fetch_checkpoint(
             pending = [o for o in offers if o.step == offer.step and o.url in live] or None
             continue
         served.update(download.by_donor)
-        if not _commit(folder, target, offer):
-            return PeerFetch(offer.step, donors[0], dict(served), time.monotonic() - t0, attempt)
-        dt = time.monotonic() - t0
-        log.info(
-            "fetched step %d into %s: %.1f MB new in %.1fs (%.1f MB/s) from %d donor(s)",
-            offer.step,
-            target,
-            download.fetched / 1e6,
-            dt,
-            download.fetched / 1e6 / max(dt, 1e-9),
-            len(download.by_donor),
-        )
-        return PeerFetch(offer.step, donors[0], dict(served), dt, attempt)
+        if _commit(folder, target, offer):
+            _log_fetched(offer.step, target, download, time.monotonic() - t0)
+        return PeerFetch(offer.step, donors[0], dict(served), time.monotonic() - t0, attempt)
     raise PeerGoneError(f"every donor died during the transfer (tried {len(urls)})")

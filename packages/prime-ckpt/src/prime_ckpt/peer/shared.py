@@ -21,6 +21,7 @@ from pathlib import Path
 from prime_ckpt.errors import PeerError
 from prime_ckpt.peer.catalog import Offer
 from prime_ckpt.peer.client import Connection
+from prime_ckpt.peer.journal import JOURNAL
 from prime_ckpt.state import unpack_meta
 
 log = logging.getLogger("prime_ckpt.peer")
@@ -157,3 +158,31 @@ def adopt(old: Path, new: Path, ranges: Ranges, journal: str) -> int:
             f.writelines(lines)
     shutil.rmtree(old, ignore_errors=True)
     return kept
+
+
+def shared_plan(
+    folder: Path,
+    offer: Offer,
+    offers: list[Offer],
+    metas: dict,
+    shared: Sequence[tuple],
+    key: bytes,
+    timeout: float,
+    previous: tuple[Path, int, dict] | None,
+) -> tuple[dict, dict]:
+    """Where the shared tensors of `offer` come from, given the primary's meta files
+    `metas`: (helpers, their byte ranges); the shared bytes of an abandoned transfer of the
+    same step (`previous`: its folder, step and metas) are moved into `folder` first."""
+    others = [o for o in offers if o.step == offer.step and o.digest != offer.digest]
+    helpers, ranges = helper_ranges(metas, others, shared, key, timeout)
+    if previous is not None and previous[0] != folder and previous[1] == offer.step:
+        common = {
+            data_file(m): common_ranges(metas[m], previous[2][m], shared)
+            for m in metas
+            if m in previous[2]
+        }
+        kept = adopt(previous[0], folder, common, JOURNAL)
+        log.info("kept %.1f MB of shared tensors from the abandoned transfer", kept / 1e6)
+    if helpers:
+        log.info("%d more donor(s) help with the shared tensors", len(helpers))
+    return helpers, ranges
