@@ -99,10 +99,6 @@ def test_a_waiting_node_that_dies_changes_no_epoch():
     assert ca.sent[-1]["epoch"]["epoch"] == 1 and m.epoch == 1
 
 
-def _replies(conn, req: int) -> list[dict]:
-    return [msg for msg in conn.sent if msg.get("type") == "reply" and msg.get("id") == req]
-
-
 def test_a_listeners_ballot_is_not_waited_for():
     """A member that arrived at its sync point `listening` (a joiner that brings nothing yet)
     does not hold the others' vote: on a slow link its collective ends after theirs. Its
@@ -114,29 +110,29 @@ def test_a_listeners_ballot_is_not_waited_for():
     assert m.epoch == 2
     for node, conn, listening in ((a, ca, False), (b, cb, False), (c, cc, True)):
         m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "listening": listening})
-    assert all(_replies(conn, 2) for conn in (ca, cb, cc)), "the sync point passed"
+    assert all(conn.replies(2) for conn in (ca, cb, cc)), "the sync point passed"
 
     m.vote(a, 0, ca, 3, {"epoch": m.epoch, "seq": 0, "ok": True})
-    assert not _replies(ca, 3), "a contributor's ballot is still awaited"
+    assert not ca.replies(3), "a contributor's ballot is still awaited"
     m.vote(b, 0, cb, 3, {"epoch": m.epoch, "seq": 0, "ok": True})
-    assert _replies(ca, 3)[0]["result"] is True and _replies(cb, 3)[0]["result"] is True
+    assert ca.replies(3)[0]["result"] is True and cb.replies(3)[0]["result"] is True
     m.vote(c, 0, cc, 3, {"epoch": m.epoch, "seq": 0, "ok": False})  # late, and failed there
-    assert _replies(cc, 3)[0]["result"] is True, "told what the members decided"
+    assert cc.replies(3)[0]["result"] is True, "told what the members decided"
 
     # a listener's ballot that came in time counts: a failed one drops the round for all
     m.vote(c, 0, cc, 4, {"epoch": m.epoch, "seq": 1, "ok": False})
     m.vote(a, 0, ca, 4, {"epoch": m.epoch, "seq": 1, "ok": True})
     m.vote(b, 0, cb, 4, {"epoch": m.epoch, "seq": 1, "ok": True})
-    assert [_replies(k, 4)[0]["result"] for k in (ca, cb, cc)] == [False, False, False]
+    assert [k.replies(4)[0]["result"] for k in (ca, cb, cc)] == [False, False, False]
 
     # once it arrives contributing, its ballot is waited for again
     for node, conn in ((a, ca), (b, cb), (c, cc)):
         m.sync(node, 0, conn, 5, {"epoch": m.epoch, "admit": True})
     m.vote(a, 0, ca, 6, {"epoch": m.epoch, "seq": 2, "ok": True})
     m.vote(b, 0, cb, 6, {"epoch": m.epoch, "seq": 2, "ok": True})
-    assert not _replies(ca, 6) and not _replies(cb, 6)
+    assert not ca.replies(6) and not cb.replies(6)
     m.vote(c, 0, cc, 6, {"epoch": m.epoch, "seq": 2, "ok": True})
-    assert [_replies(k, 6)[0]["result"] for k in (ca, cb, cc)] == [True, True, True]
+    assert [k.replies(6)[0]["result"] for k in (ca, cb, cc)] == [True, True, True]
 
 
 def _listening_round(m: Membership, nodes, listener) -> None:
@@ -154,14 +150,14 @@ def test_a_late_ballot_gets_the_decided_result_across_an_epoch_change():
     voted_in = m.epoch
     m.vote(a, 0, ca, 3, {"epoch": voted_in, "seq": 0, "ok": True})
     m.vote(b, 0, cb, 3, {"epoch": voted_in, "seq": 0, "ok": True})
-    assert _replies(ca, 3)[0]["result"] is True
+    assert ca.replies(3)[0]["result"] is True
     m.leave(b, completed=False)
     assert m.epoch == voted_in + 1
     m.vote(c, 0, cc, 3, {"epoch": voted_in, "seq": 0, "ok": True})
-    assert _replies(cc, 3)[0]["result"] is True, "told what the members committed"
+    assert cc.replies(3)[0]["result"] is True, "told what the members committed"
     # a vote of the old epoch still in flight is answered False at the epoch change
     m.vote(a, 0, ca, 4, {"epoch": m.epoch - 1, "seq": 1, "ok": True})
-    assert _replies(ca, 4)[0]["result"] is False
+    assert ca.replies(4)[0]["result"] is False
 
 
 def test_a_listener_stays_one_across_an_epoch_change():
@@ -173,7 +169,7 @@ def test_a_listener_stays_one_across_an_epoch_change():
     for node, conn in ((a, ca), (c, cc)):  # "c" is fresh: its retry comes a round early
         m.sync(node, 0, conn, 5, {"epoch": m.epoch, "admit": True})
     m.vote(a, 0, ca, 6, {"epoch": m.epoch, "seq": 0, "ok": True})
-    assert not _replies(ca, 6), "c arrived contributing: its ballot is awaited"
+    assert not ca.replies(6), "c arrived contributing: its ballot is awaited"
 
     m2 = Membership(min_nodes=3)
     (a, ca), (b, cb), (c, cc) = _register(m2, "a"), _register(m2, "b"), _register(m2, "c")
@@ -181,7 +177,7 @@ def test_a_listener_stays_one_across_an_epoch_change():
     m2.leave(b, completed=False)
     m2.sync(a, 0, ca, 5, {"epoch": m2.epoch, "admit": True})  # the listener has not come yet
     m2.vote(a, 0, ca, 6, {"epoch": m2.epoch, "seq": 0, "ok": True})
-    assert _replies(ca, 6)[0]["result"] is True, "the listener's ballot is not awaited"
+    assert ca.replies(6)[0]["result"] is True, "the listener's ballot is not awaited"
 
 
 def test_a_member_with_other_outer_weights_is_told_and_evicted():
@@ -193,7 +189,7 @@ def test_a_member_with_other_outer_weights_is_told_and_evicted():
     epoch = m.epoch
     for (node, conn), digest in zip(nodes, ["h1", "h1", "h2"], strict=True):
         m.vote(node, 0, conn, 3, {"epoch": epoch, "seq": 0, "ok": True, "outer": [4, digest]})
-    assert [_replies(conn, 3)[0]["result"] for _, conn in nodes] == [False, False, False]
+    assert [conn.replies(3)[0]["result"] for _, conn in nodes] == [False, False, False]
     evicted = [msg for msg in nodes[2][1].sent if msg.get("type") == "evicted"]
     assert evicted and "outer step 4 with hash h2" in evicted[0]["reason"]
     assert "2 of 3 contributing ranks hold outer step 4 with hash h1" in evicted[0]["reason"]
@@ -202,7 +198,7 @@ def test_a_member_with_other_outer_weights_is_told_and_evicted():
     for node, conn in nodes[:2]:
         m.sync(node, 0, conn, 4, {"epoch": m.epoch, "admit": True})
         m.vote(node, 0, conn, 5, {"epoch": m.epoch, "seq": 0, "ok": True, "outer": [4, "h1"]})
-    assert [_replies(conn, 5)[0]["result"] for _, conn in nodes[:2]] == [True, True]
+    assert [conn.replies(5)[0]["result"] for _, conn in nodes[:2]] == [True, True]
 
 
 def test_a_ballot_without_outer_state_is_not_compared():
@@ -214,7 +210,7 @@ def test_a_ballot_without_outer_state_is_not_compared():
     for (node, conn), outer in zip(nodes, [[4, "h1"], [4, "h1"], None], strict=True):
         msg = {"epoch": m.epoch, "seq": 0, "ok": True, **({"outer": outer} if outer else {})}
         m.vote(node, 0, conn, 3, msg)
-    assert [_replies(conn, 3)[0]["result"] for _, conn in nodes] == [True, True, True]
+    assert [conn.replies(3)[0]["result"] for _, conn in nodes] == [True, True, True]
     assert states_by_key(m) == {"a": "member", "b": "member", "c": "member"}
 
 
@@ -228,8 +224,8 @@ def test_a_sync_point_tells_the_node_whose_norm_is_far_outside_the_others():
     for (node, conn), n2 in zip(nodes, (1.0, 1.44, 900.0), strict=True):
         m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "norm2": n2,
                                   "norm_bound": 10.0})  # fmt: skip
-    replies = [_replies(conn, 2)[0] for _, conn in nodes]
+    replies = [conn.replies(2)[0] for _, conn in nodes]
     assert "outlier" not in replies[0] and "outlier" not in replies[1], replies
     assert "L2 norm 30 is more than 10 x the median" in replies[2]["outlier"], replies[2]
     _sync_all(m, nodes)  # (request id 1 again: the next sync point, no norms stated)
-    assert all("outlier" not in _replies(conn, 1)[-1] for _, conn in nodes)
+    assert all("outlier" not in conn.replies(1)[-1] for _, conn in nodes)

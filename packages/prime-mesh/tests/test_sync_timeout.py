@@ -9,19 +9,7 @@ import pytest
 
 from prime_mesh.barrier import AUTO_CEILING_S, AUTO_FACTOR, AUTO_FLOOR_S, SyncWaits
 from prime_mesh.membership import Membership
-from prime_testkit import FakeClock, FakeConn
-
-
-def _form(m: Membership, keys: str, sync_timeout=None):
-    nodes = {}
-    for k in keys:
-        msg = {"node_key": k, "local_rank": 0, "local_world_size": 1, "metadata": {}}
-        if sync_timeout is not None:
-            msg["sync_timeout"] = sync_timeout
-        conn = FakeConn()
-        nodes[k] = (m.register(conn, msg), conn)
-    assert m.epoch == 1 and len(m.members) == len(keys)
-    return nodes
+from prime_testkit import FakeClock, FakeConn, form
 
 
 def _beat(m: Membership, clock: FakeClock, nodes, seconds: float) -> None:
@@ -40,19 +28,15 @@ def _sync(m: Membership, node_conn, req: int = 7) -> None:
     m.sync(node, 0, conn, req, {"epoch": m.epoch, "admit": True})
 
 
-def _replies(conn: FakeConn, req: int) -> list[dict]:
-    return [x for x in conn.sent if x.get("type") == "reply" and x.get("id") == req]
-
-
 def test_a_member_stuck_before_the_sync_point_is_left_out_after_the_timeout():
     clock = FakeClock()
     m = Membership(min_nodes=3, clock=clock)
-    n = _form(m, "abc", sync_timeout=5.0)
+    n = form(m, list("abc"), sync_timeout=5.0)
     _sync(m, n["a"])
     _beat(m, clock, n, 2.0)
     _sync(m, n["b"])
     _beat(m, clock, n, 2.5)  # 4.5 s since "a" arrived: still waited for
-    assert m.epoch == 1 and not _replies(n["a"][1], 7)
+    assert m.epoch == 1 and not n["a"][1].replies(7)
     _beat(m, clock, n, 1.0)
     # "c" heartbeats on, but is evicted as late; the two are answered with one new epoch
     assert m.epoch == 2 and [m.nodes[k].node_id for k in m.members] == [
@@ -60,7 +44,7 @@ def test_a_member_stuck_before_the_sync_point_is_left_out_after_the_timeout():
         n["b"][0].node_id,
     ]
     for k in "ab":
-        (reply,) = _replies(n[k][1], 7)
+        (reply,) = n[k][1].replies(7)
         assert reply["epoch"]["epoch"] == 2
     evicted = [x for x in n["c"][1].sent if x.get("type") == "evicted"]
     assert evicted and "did not reach the sync point within 5.0s" in evicted[0]["reason"]
@@ -71,13 +55,13 @@ def test_a_member_stuck_before_the_sync_point_is_left_out_after_the_timeout():
     assert m.epoch == 2
     _sync(m, n["a"], 8)
     _sync(m, n["b"], 8)
-    assert _replies(n["a"][1], 8)[0]["epoch"]["epoch"] == 2
+    assert n["a"][1].replies(8)[0]["epoch"]["epoch"] == 2
 
 
 def test_a_listener_arriving_a_round_early_does_not_start_the_clock():
     clock = FakeClock()
     m = Membership(min_nodes=3, clock=clock)
-    n = _form(m, "abc", sync_timeout=5.0)
+    n = form(m, list("abc"), sync_timeout=5.0)
     node, conn = n["c"]  # a listening joiner: at the sync point long before the others
     m.sync(node, 0, conn, 7, {"epoch": m.epoch, "admit": True, "listening": True})
     _beat(m, clock, n, 20.0)
@@ -86,35 +70,35 @@ def test_a_listener_arriving_a_round_early_does_not_start_the_clock():
     _beat(m, clock, n, 2.0)
     _sync(m, n["b"])
     for k in "abc":
-        assert _replies(n[k][1], 7)[0]["epoch"]["epoch"] == 1
+        assert n[k][1].replies(7)[0]["epoch"]["epoch"] == 1
 
 
 def test_several_late_members_leave_in_one_epoch():
     clock = FakeClock()
     m = Membership(min_nodes=4, clock=clock)
-    n = _form(m, "abcd", sync_timeout=3.0)
+    n = form(m, list("abcd"), sync_timeout=3.0)
     _sync(m, n["a"])
     _beat(m, clock, n, 3.5)
     assert m.epoch == 2 and len(m.members) == 1
-    (reply,) = _replies(n["a"][1], 7)
+    (reply,) = n["a"][1].replies(7)
     assert reply["epoch"]["members"] == [n["a"][0].node_id]
 
 
 def test_a_member_that_does_not_vote_is_left_out_and_the_vote_fails():
     clock = FakeClock()
     m = Membership(min_nodes=3, clock=clock)
-    n = _form(m, "abc", sync_timeout=4.0)
+    n = form(m, list("abc"), sync_timeout=4.0)
     for k in "abc":
         _sync(m, n[k])
     for k in "ab":
         node, conn = n[k]
         m.vote(node, 0, conn, 9, {"epoch": 1, "seq": 0, "ok": True})
     _beat(m, clock, n, 3.5)
-    assert not _replies(n["a"][1], 9)
+    assert not n["a"][1].replies(9)
     _beat(m, clock, n, 1.0)
     assert m.epoch == 2 and len(m.members) == 2
     for k in "ab":
-        (reply,) = _replies(n[k][1], 9)
+        (reply,) = n[k][1].replies(9)
         assert reply["result"] is False  # not committed: the round is retried without "c"
     reason = [x for x in n["c"][1].sent if x.get("type") == "evicted"][0]["reason"]
     assert "did not reach the vote" in reason
@@ -123,7 +107,7 @@ def test_a_member_that_does_not_vote_is_left_out_and_the_vote_fails():
 def test_an_even_run_is_never_cut_short():
     clock = FakeClock()
     m = Membership(min_nodes=3, clock=clock)
-    n = _form(m, "abc")  # auto
+    n = form(m, list("abc"))  # auto
     for _ in range(20):  # rounds of 60 s; arrivals spread over 2 s
         _beat(m, clock, n, 60.0)
         for i, k in enumerate("abc"):

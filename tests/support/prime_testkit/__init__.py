@@ -20,7 +20,7 @@ than one test file uses lives here, once, one module per concern.
   default the `TRACED` values),
   `log_tails` (every log of a test's folder, for a failing assertion).
 - fixed_data: `pseudo_random`, floats that are the same on every machine (pinned digests).
-- mesh: prime-mesh's coordinator from a test: `node_states`, and `FakeConn` / `FakeClock`
+- mesh: prime-mesh's coordinator from a test: `node_states`, `form`, and `FakeConn` (with `replies`) / `FakeClock`
   that drive its Membership state machine without sockets. The prime-mesh tests' conftest.py
   has the `coordinator` fixture (the module's TOKEN and MIN_NODES).
 - ckpt: `make_checkpoint`, a committed prime-ckpt step folder written by hand;
@@ -51,7 +51,7 @@ from prime_testkit.cli_node import (
     start_ranked_node,
     stop_once_contributing,
 )
-from prime_testkit.mesh import FakeClock, FakeConn, node_states
+from prime_testkit.mesh import FakeClock, FakeConn, form, node_states
 from prime_testkit.nodes import Nodes
 from prime_testkit.runs import (
     TRACED,
@@ -95,6 +95,7 @@ __all__ = [
     "Children",
     "FakeClock",
     "FakeConn",
+    "form",
     "MotoS3",
     "Nodes",
     "RankContext",
