@@ -60,3 +60,24 @@ def test_a_member_leaving_without_completing_does_not_mark_the_run_complete():
     assert not m.status()["completed"]
     b, _ = _register(m, "b", lws=1)
     assert not b.joining and m.members == ["b"]
+
+
+def test_a_joiner_left_waiting_when_every_member_left_is_no_founder():
+    """Every member left while a node waited to join (churn seed 5); two of them register
+    again: they form the run and the joiner, which holds no state to found one with, is
+    admitted at their first sync point. It counts towards min_nodes."""
+    m = Membership(min_nodes=3)
+    nodes = {k: _register(m, k, lws=1) for k in "abc"}
+    assert m.epoch == 1
+    joiner, _ = _register(m, "j", lws=1)  # the run has members: it joins
+    m.ready(joiner, 0)
+    for key in "abc":
+        m.leave(nodes[key][0], completed=False)
+    assert not m.members and joiner.joining
+    a2, ca = _register(m, "a2", lws=1)  # the run has no member: founders
+    assert not m.members, "one founder and one joiner: below min_nodes"
+    b2, cb = _register(m, "b2", lws=1)
+    assert m.members == ["a2", "b2"], "formed by the founders alone"
+    for node, conn in ((a2, ca), (b2, cb)):
+        m.sync(node, 0, conn, 1, {"epoch": m.epoch, "admit": True})
+    assert m.members == ["a2", "b2", "j"], "admitted at their first sync point"

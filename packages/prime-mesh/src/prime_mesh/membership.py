@@ -363,11 +363,12 @@ class Membership(MembershipViews):
             self.nodes[k].metadata.get("config_hash") == self.completed for k in self.joiners
         ):
             return  # nodes of the completed run: nothing left to train (they are told so)
-        if len(self.joiners) >= self.min_nodes:
-            ids = ", ".join(self.nodes[k].node_id for k in self.joiners)
-            self._new_epoch(
-                list(self.joiners), "formed", ("formed", ids, f"{self.min_nodes} node(s) needed")
-            )
+        # a node registered to join a running run holds no state to found one: the others form
+        # it and admit it at their first sync point (it counts towards min_nodes)
+        founders = [k for k in self.joiners if not self.nodes[k].joining]
+        if founders and len(self.joiners) >= self.min_nodes:
+            ids = ", ".join(self.nodes[k].node_id for k in founders)
+            self._new_epoch(founders, "formed", ("formed", ids, f"{self.min_nodes} node(s) needed"))
 
     def _reform(self, resumes: list[Resume]) -> None:
         """Apply the re-formation `plan_reform` makes of the reconnected nodes, if it is time."""
