@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
+import subprocess
+import sys
+import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from prime_testkit import Nodes, gloo_world
@@ -189,6 +194,22 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 )
         except Exception as e:
             error(e)
+
+
+def coordinator_process(children, token: str, min_nodes: int):
+    """`prime-mesh coordinator` on a free loopback port, as a child process: (process,
+    address, a queue of its log lines)."""
+    cli = str(Path(sys.executable).parent / "prime-mesh")
+    env = {**os.environ, "PRIME_TOKEN": token}
+    cmd = [cli, "coordinator", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--min-nodes", str(min_nodes)]
+    proc = children.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+    while True:
+        line = lines.get(timeout=60)
+        if "prime-mesh coordinator listening on" in line:
+            return proc, line.split("listening on ")[1].split()[0], lines
 
 
 def mesh_nodes(children, coordinator: str, token: str) -> Nodes:

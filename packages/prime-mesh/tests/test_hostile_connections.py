@@ -6,35 +6,17 @@ the coordinator, and the refusals are logged once (one address, within a minute)
 """
 
 import os
-import queue
 import socket
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
-from mesh_node import BOUND, mesh_nodes
+from mesh_node import BOUND, coordinator_process, mesh_nodes
 
 from prime_mesh.wire import HELLO_MAX, parse_address, read_frame, write_frame
 
-CLI = str(Path(sys.executable).parent / "prime-mesh")
 TOKEN = "test-token-hostile"
 THREAD_BOUND = 16  # the loop, the main thread, the store's and torch's own: not per connection
-
-
-def _coordinator(children):
-    env = {**os.environ, "PRIME_TOKEN": TOKEN}
-    cmd = [CLI, "coordinator", "--host", "127.0.0.1", "--port", "0", "--min-nodes", "2"]
-    proc = children.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    while True:
-        line = lines.get(timeout=60)
-        if "prime-mesh coordinator listening on" in line:
-            return proc, line.split("listening on ")[1].split()[0], lines
 
 
 def _threads(pid: int) -> int:
@@ -68,7 +50,7 @@ def _round(cluster, value: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_idle_slow_drip_and_oversized_connections_never_stop_a_run(children):
-    proc, address, lines = _coordinator(children)
+    proc, address, lines = coordinator_process(children, TOKEN, min_nodes=2)
     host, port = parse_address(address)
     cluster = mesh_nodes(children, address, TOKEN)
     for n in "ab":
