@@ -51,6 +51,7 @@ class WorldMesh:
     what each sync point returns."""
 
     state, epoch = "member", 1
+    norm_outlier: str | None = None  # (one fixed epoch: no norm is compared)
 
     def __init__(self, votes: list[bool] | None = None):
         self.global_pg, self.global_world_size = dist.group.WORLD, dist.get_world_size()
@@ -62,7 +63,9 @@ class WorldMesh:
     def installed_group(self) -> tuple[int, tuple[str, ...]]:
         return self.epoch, self.global_members
 
-    def maybe_reinit_global_pg(self, listening: bool = False) -> bool:
+    def maybe_reinit_global_pg(
+        self, listening: bool = False, norm2: float | None = None, norm_bound: float = 0.0
+    ) -> bool:
         return self.regroup
 
     def should_commit(self, ok: bool, contributed: bool = True) -> bool:
