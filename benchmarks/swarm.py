@@ -4,9 +4,11 @@ What is real: the coordinator (the `prime-mesh coordinator` process, default hea
 timeout 5 s), its rendezvous TCPStore, and the nodes' side of the wire protocol: each
 simulated node is the project's own `Session` and `CoordinatorClient` (HMAC handshake,
 registration, heartbeats in their own thread, a TCPStore client of the coordinator's store,
-sync points, commit votes, leave), all in this one process. What is simulated: the nodes do
-no training and build no gloo group (a round is a sync point then a vote, back to back).
-The crash and stall figures use one extra node in a child process (SIGKILL, SIGSTOP).
+sync points, commit votes, leave; see swarm_nodes.py). What is simulated: the nodes do no
+training and build no gloo group (a round is a sync point then a vote, back to back), and
+they live in worker processes, at most --per-worker nodes each (1024 nodes: 8 processes),
+which this process drives over pipes. The crash and stall figures use one extra node in a
+child process (SIGKILL, SIGSTOP).
 
 Phases, each timed from this process's clock:
   storm     N nodes register at once (the coordinator waits for --min-nodes N): until one
@@ -20,29 +22,28 @@ Phases, each timed from this process's clock:
   crash     a member's process is SIGKILLed: until the epoch without it
   stall     a member's process is SIGSTOPped: until it is evicted
 
-    uv run python benchmarks/swarm.py [--nodes 16 64 256] [--json]
+    uv run python benchmarks/swarm.py [--nodes 16 64 256 1024] [--per-worker 128] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import multiprocessing
 import os
-import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from pathlib import Path
+from typing import Any
+
+from swarm_nodes import TOKEN, worker_main
 
 from prime_mesh.client import CoordinatorClient
-from prime_mesh.errors import MeshError
-from prime_mesh.session import Session
 
-TOKEN = "swarm-benchmark-token"
-HB_INTERVAL, HB_TIMEOUT = 1.0, 5.0
+NODES = Path(__file__).with_name("swarm_nodes.py")
 
 
 class CoordinatorProcess:
@@ -88,128 +89,6 @@ class CoordinatorProcess:
         self.log.close()
 
 
-def new_session(address: str) -> Session:
-    register = {
-        "type": "register",
-        "node_key": secrets.token_hex(8),
-        "local_rank": 0,
-        "local_world_size": 1,
-        "metadata": {"config_hash": "swarm"},
-        "heartbeat_timeout": HB_TIMEOUT,
-        "sync_timeout": None,
-    }
-    return Session(
-        address,
-        TOKEN.encode(),
-        register,
-        first={"ready": True},
-        host="127.0.0.1",
-        local_rank=0,
-        heartbeat_interval=HB_INTERVAL,
-        heartbeat_timeout=HB_TIMEOUT,
-        connect_timeout=10.0,
-        pg_timeout=60.0,
-    )
-
-
-class SimNode:
-    """One simulated node: a real Session, and a thread running rounds while `rounds_on`."""
-
-    def __init__(self, swarm: Swarm) -> None:
-        self.swarm = swarm
-        self.session: Session | None = None
-        self.retries = 0
-        self.hb_sent: deque[float] = deque()
-        self.hb_rtt: list[float] = []
-        self.round_s: list[float] = []
-        self.stop = threading.Event()
-        self.joined = threading.Event()  # registered and connected to the store
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _join(self) -> None:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                self.session = new_session(self.swarm.address)
-                break
-            except MeshError:
-                self.retries += 1
-                if time.monotonic() > deadline or self.stop.is_set():
-                    raise
-                time.sleep(0.5)
-        client = self.session.client
-        send, forward = client.channel.send, client.on_message
-
-        def timed_send(msg: dict) -> None:
-            if msg.get("type") == "hb":
-                self.hb_sent.append(time.monotonic())
-            send(msg)
-
-        def on_message(msg: dict) -> None:
-            if msg.get("type") == "ack" and self.hb_sent:
-                self.hb_rtt.append(time.monotonic() - self.hb_sent.popleft())
-            elif forward is not None:
-                forward(msg)
-
-        client.on_message = on_message
-        client.channel.send = timed_send  # type: ignore[method-assign]
-        self.joined.set()
-
-    def _run(self) -> None:
-        try:
-            self._join()
-            while not self.stop.is_set():
-                if not self.swarm.rounds_on.wait(0.2):
-                    continue
-                try:
-                    self._rounds()
-                except (MeshError, OSError):  # evicted (or refused): come back as a new node
-                    if self.stop.is_set():
-                        return
-                    assert self.session is not None
-                    self.session.client.close()
-                    self.retries += 1
-                    self._join()
-        except (MeshError, OSError) as e:
-            self.swarm.failures.append(str(e))
-
-    def _rounds(self) -> None:
-        s = self.session
-        assert s is not None
-        installed, seq, skip_sync = None, 0, False
-        while self.swarm.rounds_on.is_set() and not self.stop.is_set():
-            latest = s.latest
-            if latest is None or s.node_id not in latest.members:
-                s.client.wait_for(
-                    lambda: s.latest is not None and s.node_id in s.latest.members, 0.5
-                )
-                s.check()
-                continue
-            if installed is None or latest.number > installed.number:
-                skip_sync = installed is None and s.node_id in latest.joined
-                installed, seq = latest, 0
-            t0 = time.monotonic()
-            if not skip_sync:
-                msg = {"type": "sync", "epoch": installed.number, "admit": True}
-                msg |= {"failed": False, "listening": False}
-                reply = s.client.request(msg, timeout=s.request_bound)
-                s.note_epoch(reply["epoch"])
-                if s.latest is not None and s.latest.number > installed.number:
-                    installed, seq = s.latest, 0
-            skip_sync = False
-            vote = {"type": "vote", "epoch": installed.number, "seq": seq, "ok": True}
-            result = s.client.request(vote, timeout=s.request_bound)
-            seq += 1
-            if result.get("result"):
-                self.round_s.append(time.monotonic() - t0)
-            time.sleep(self.swarm.round_gap)
-
-    def leave(self) -> None:
-        self.stop.set()
-        if self.session is not None:
-            self.session.close()
-
-
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -217,18 +96,66 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-class Swarm:
-    """N simulated nodes against one coordinator process, and an observer asking its status."""
+class Workers:
+    """Worker processes (`swarm_nodes.worker_main`) holding the simulated nodes, spread evenly;
+    every answer is awaited within a bound, and every process is reaped in `close()`."""
 
-    def __init__(self, n: int, round_gap: float) -> None:
+    def __init__(self, count: int, address: str, round_gap: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        for _ in range(count):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main, args=(theirs, address, round_gap, os.getpid()), daemon=True
+            )
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(mine)
+
+    def split(self, total: int) -> list[int]:
+        w = len(self.conns)
+        return [total // w + (1 if i < total % w else 0) for i in range(w)]
+
+    def ask(self, cmd: str, args: list | None = None, timeout: float = 60.0) -> list:
+        """Send `cmd` (with `args[i]` to worker i) to every worker; their answers, in order."""
+        for i, conn in enumerate(self.conns):
+            conn.send((cmd, None if args is None else args[i]))
+        deadline, out = time.monotonic() + timeout, []
+        for i, conn in enumerate(self.conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"swarm worker {i} did not answer {cmd!r} within {timeout} s")
+            out.append(conn.recv())
+        return out
+
+    def close(self) -> None:
+        try:
+            self.ask("stop", timeout=60)
+        except (TimeoutError, OSError, EOFError):
+            pass  # killed below
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        for conn in self.conns:
+            conn.close()
+
+
+class Swarm:
+    """N simulated nodes in worker processes against one coordinator process, and an
+    observer asking the coordinator's status."""
+
+    def __init__(self, n: int, round_gap: float, workers: int) -> None:
         self.n, self.round_gap = n, round_gap
         self.coord = CoordinatorProcess(min_nodes=n)
         self.address = self.coord.address
-        self.rounds_on = threading.Event()
-        self.failures: list[str] = []
-        self.nodes: list[SimNode] = []
+        self.workers: Workers | None = None
         self.observer = CoordinatorClient(self.address, TOKEN.encode())
         self.status()  # now: a connection silent past the handshake deadline is dropped
+        self.workers = Workers(workers, self.address, round_gap)
+        self.workers.ask("joined", timeout=120)  # each has imported torch and is listening
 
     def status(self) -> dict:
         return self.observer.request({"type": "status"}, timeout=30)["status"]
@@ -238,46 +165,60 @@ class Swarm:
         st = self.status()
         return st["epoch"], sum(1 for v in st["nodes"] if v["state"] == "member")
 
-    def wait_members(
-        self, count: int, timeout: float, nodes: list[SimNode] | None = None
-    ) -> float | None:
-        """Seconds until the epoch holds `count` members and every one of `nodes` has joined
-        (None: not within `timeout`)."""
+    def all_joined(self) -> bool:
+        """Whether every simulated node holds its session and its store client."""
+        assert self.workers is not None
+        return all(j == total for j, total in self.workers.ask("joined"))
+
+    def wait_members(self, count: int, timeout: float, joined: bool = False) -> float | None:
+        """Seconds until the epoch holds `count` members (and, with `joined`, every simulated
+        node holds its store client); None: not within `timeout`."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
-            if all(n.joined.is_set() for n in nodes or []) and self.members()[1] == count:
+            if self.members()[1] == count and (not joined or self.all_joined()):
                 return time.monotonic() - t0
-            time.sleep(0.02)
+            time.sleep(0.05)
         return None
 
-    def add(self, count: int) -> list[SimNode]:
-        new = [SimNode(self) for _ in range(count)]
-        self.nodes += new
-        for node in new:
-            node.thread.start()
-        return new
+    def add(self, count: int) -> None:
+        assert self.workers is not None
+        self.workers.ask("add", self.workers.split(count))
+
+    def samples(self) -> dict[str, list[float]]:
+        assert self.workers is not None
+        out: dict[str, list[float]] = {"hb": [], "round": []}
+        for answer in self.workers.ask("samples"):
+            for key in out:
+                out[key] += answer[key]
+        return out
+
+    def stats(self) -> tuple[int, list[str]]:
+        """(node retries, failures) so far, over every worker."""
+        assert self.workers is not None
+        answers = self.workers.ask("stats")
+        return sum(a["retries"] for a in answers), [f for a in answers for f in a["failures"]]
 
     def storm(self) -> dict:
         t0 = time.monotonic()
         self.add(self.n)
         formed = self.wait_members(self.n, 120)
-        took = self.wait_members(self.n, 120, self.nodes)
+        took = self.wait_members(self.n, 120, joined=True)
         epoch = self.members()[0]
         return {
             "storm_epoch_s": formed,
             "storm_s": took if took is None or formed is None else formed + took,
             "storm_epochs": epoch,
-            "storm_retries": sum(n.retries for n in self.nodes),
+            "storm_retries": self.stats()[0],
             "storm_total_s": time.monotonic() - t0,
         }
 
     def idle(self, seconds: float = 5.0) -> dict:
-        for node in self.nodes:
-            node.hb_rtt.clear()
+        assert self.workers is not None
+        self.workers.ask("clear")
         cpu0, t0 = self.coord.cpu_s(), time.monotonic()
         time.sleep(seconds)
         cpu = (self.coord.cpu_s() - cpu0) / (time.monotonic() - t0)
-        rtt = [x for node in self.nodes for x in node.hb_rtt]
+        rtt = self.samples()["hb"]
         return {
             "hb_p50_ms": 1e3 * pct(rtt, 0.5),
             "hb_p99_ms": 1e3 * pct(rtt, 0.99),
@@ -287,13 +228,13 @@ class Swarm:
         }
 
     def rounds(self, seconds: float = 6.0) -> dict:
-        for node in self.nodes:
-            node.round_s.clear()
+        assert self.workers is not None
+        self.workers.ask("clear")
         cpu0, t0 = self.coord.cpu_s(), time.monotonic()
-        self.rounds_on.set()
+        self.workers.ask("rounds", [True] * len(self.workers.conns))
         time.sleep(seconds)
         cpu = (self.coord.cpu_s() - cpu0) / (time.monotonic() - t0)
-        per = [x for node in self.nodes for x in node.round_s]
+        per = self.samples()["round"]
         return {
             "round_p50_ms": 1e3 * pct(per, 0.5),
             "round_p99_ms": 1e3 * pct(per, 0.99),
@@ -303,20 +244,18 @@ class Swarm:
 
     def leave_rejoin(self) -> dict:
         """10% leave at once (rounds going on); then as many join."""
+        assert self.workers is not None
         k = max(1, self.n // 10)
         epoch0, _ = self.members()
-        leaving, self.nodes = self.nodes[:k], self.nodes[k:]
         t0 = time.monotonic()
-        threads = [threading.Thread(target=node.leave) for node in leaving]
-        for t in threads:
-            t.start()
+        self.workers.ask("leave", self.workers.split(k))
         gone = self.wait_members(self.n - k, 60)
         gone_s = None if gone is None else time.monotonic() - t0
-        for t in threads:
-            t.join(30)
+        self.workers.ask("left", [30.0] * len(self.workers.conns), timeout=40)
         time.sleep(1.0)  # later epochs that the leaving still caused
         epoch1, _ = self.members()
-        back_s = self.wait_members(self.n, 60, self.add(k))
+        self.add(k)
+        back_s = self.wait_members(self.n, 60, joined=True)
         epoch2, _ = self.members()
         return {
             "leave_epochs": epoch1 - epoch0,
@@ -327,9 +266,7 @@ class Swarm:
 
     def fault(self, sig: int) -> float | None:
         """Seconds from `sig` to a member's child process until the epoch no longer holds it."""
-        child = subprocess.Popen(
-            [sys.executable, __file__, "--child", self.address, str(self.round_gap)]
-        )
+        child = subprocess.Popen([sys.executable, str(NODES), self.address, str(self.round_gap)])
         try:
             if self.wait_members(self.n + 1, 60) is None:
                 return None
@@ -342,51 +279,39 @@ class Swarm:
             child.wait()
 
     def close(self) -> None:
-        self.rounds_on.clear()
-        for node in self.nodes:
-            node.stop.set()
-        for node in self.nodes:
-            node.thread.join(10)
-        for node in self.nodes:
-            if node.session is not None:
-                node.session.client.close()
+        if self.workers is not None:
+            self.workers.close()
         self.observer.close()
         self.coord.close()
 
 
-class _ChildSwarm:
-    """What a SimNode needs, in the child process of the crash and stall phases."""
+def measure(n: int, round_gap: float, per_worker: int) -> dict:
+    workers = max(1, math.ceil(n / per_worker))
+    t0 = time.monotonic()
+    swarm = Swarm(n, round_gap, workers)
+    phases = {"start": time.monotonic() - t0}
 
-    def __init__(self, address: str, round_gap: float) -> None:
-        self.address, self.round_gap = address, round_gap
-        self.rounds_on = threading.Event()
-        self.rounds_on.set()
-        self.failures: list[str] = []
+    def timed(name: str, figures: dict) -> dict:
+        phases[name] = time.monotonic() - t0 - sum(phases.values())
+        return figures
 
-
-def child(address: str, round_gap: float) -> None:
-    node = SimNode(_ChildSwarm(address, round_gap))  # type: ignore[arg-type]
-    node.thread.start()
-    node.thread.join()
-
-
-def measure(n: int, round_gap: float) -> dict:
-    swarm = Swarm(n, round_gap)
     try:
-        out = {"nodes": n, **swarm.storm()}
-        out |= swarm.idle()
-        out |= swarm.rounds()
-        out |= swarm.leave_rejoin()
-        out["crash_s"] = swarm.fault(signal.SIGKILL)
-        out["stall_s"] = swarm.fault(signal.SIGSTOP)
+        out = {"nodes": n, "workers": workers, **timed("storm", swarm.storm())}
+        out |= timed("idle", swarm.idle())
+        out |= timed("rounds", swarm.rounds())
+        out |= timed("leave", swarm.leave_rejoin())
+        out["crash_s"] = timed("crash", {"s": swarm.fault(signal.SIGKILL)})["s"]
+        out["stall_s"] = timed("stall", {"s": swarm.fault(signal.SIGSTOP)})["s"]
         out["threads_end"] = swarm.coord.threads()
-        out["failures"] = len(swarm.failures)
-        return out
+        out["failures"] = len(swarm.stats()[1])
     finally:
         swarm.close()
+    out["phases_s"] = {k: round(v, 1) for k, v in timed("close", phases).items()}
+    return out
 
 
 ROWS = [
+    ("simulator worker processes", "workers", "{}"),
     (
         "join storm: one epoch of all N / every store connected (s)",
         ("storm_epoch_s", "storm_s"),
@@ -423,17 +348,17 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], float(sys.argv[3]))
-        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--round-gap", type=float, default=0.2, help="seconds between a node's rounds")
+    ap.add_argument(
+        "--per-worker", type=int, default=128, help="simulated nodes per worker process (at most)"
+    )
     ap.add_argument("--json", action="store_true", help="also print each N's figures as JSON")
     args = ap.parse_args()
     results = []
     for n in args.nodes:
-        r = measure(n, args.round_gap)
+        r = measure(n, args.round_gap, args.per_worker)
         results.append(r)
         if args.json:
             print(json.dumps(r), flush=True)
