@@ -102,22 +102,31 @@ def interpreter_memory() -> dict[str, int]:
 def own_passes(numel: int, memcpy_s: float) -> dict[str, float]:
     """The outer step's own passes timed here, alone (a model of one flat parameter of
     `numel`; the best of 2), each over the memcpy: pseudo-gradient, Nesterov and the copy
-    into the model, the weight hash, the replay-log entry's packing (of a uint8-decoded
-    tensor, as the all-reduce leaves it)."""
+    into the model, the weight hash, and the replay-log entry whole: the all-reduce's copy of
+    the codes it kept (`keep_encoding`), the packing, and the body's msgpack and HMAC (done in
+    the log's writer thread in a run, counted here all the same)."""
     import torch
 
     import prime_comm
     from prime_train.diloco import update_codec
     from prime_train.diloco.outer_optimizer import OuterOptimizer
+    from prime_train.diloco.replay_log import Entry, entry_key
 
     torch.set_num_threads(1)
     model = torch.nn.Parameter(torch.randn(numel))
     opt = OuterOptimizer([model], lr=0.7, momentum=0.9)
     with torch.no_grad():
         model.add_(1e-3)
-    update = prime_comm.dequantize(prime_comm.quantize(torch.randn(numel) * 1e-3))
+    q = prime_comm.quantize(torch.randn(numel) * 1e-3)
+    kept = prime_comm.EncodedResult(torch.empty_like(q.data), 8, (numel,))
+    update, key = prime_comm.dequantize(q), entry_key("bench")
+
+    def entry() -> None:
+        kept.data.copy_(q.data)
+        Entry(1, 1, 0, "h", "h", update).pack(update_codec.Encoded(kept)).parts(key)
+
     parts = {"pseudo_gradient": opt.compute_pseudo_gradient, "nesterov_and_copy": opt.apply,
-             "hash": opt.digest, "entry_pack": lambda: update_codec.pack(update)}  # fmt: skip
+             "hash": opt.digest, "entry": entry}  # fmt: skip
     out = {}
     for name, f in parts.items():
         best = float("inf")

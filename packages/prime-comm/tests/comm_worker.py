@@ -101,6 +101,28 @@ def case_residual(ctx, n, op="avg", compression="uint2", seed=0, piece_size=1 <<
     }
 
 
+def case_encoding(ctx, n, compression="uint8", seed=0, piece_size=1 << 16):
+    """One all_reduce with keep_encoding=True: whether the encoding decodes to the result bit
+    for bit, its size against the float32 bytes, and the same bytes on every rank."""
+    _single_thread()
+    x = make_input("normal", n, seed, ctx.rank)
+    stats = prime_comm.all_reduce(
+        x, group=ctx.pg, compression=compression, timeout=60.0, piece_size=piece_size,
+        keep_encoding=True,
+    )  # fmt: skip
+    enc = stats.encoding
+    if enc is None:
+        return {"encoding": None, "digest": hashlib.sha256(x.numpy().tobytes()).hexdigest()}
+    return {
+        "encoding": hashlib.sha256(enc.data.numpy().tobytes()).hexdigest(),
+        "digest": hashlib.sha256(x.numpy().tobytes()).hexdigest(),
+        "exact": torch.equal(enc.decode().view(torch.int32), x.view(torch.int32)),
+        "ratio": enc.data.numel() / (4 * n),
+        "numel": enc.numel,
+        "pieces": len(enc.pieces),
+    }
+
+
 def case_feedback(ctx, n, rounds, compression="uint2", feedback=True, seed=0):
     """`rounds` all-reduces of fresh inputs, each rank adding its last residual to the next
     input (or not): the relative L2 error of the summed results against the summed exact
@@ -161,6 +183,8 @@ def case_bad(ctx, bad_rank, kind, n=1000):
             kwargs["residual"] = torch.zeros(n, dtype=torch.float64)
         elif kind == "residual_alias":
             kwargs["residual"] = x
+        elif kind == "keep_encoding":
+            kwargs["keep_encoding"] = "yes"
         else:
             raise ValueError(kind)
     before = arg.clone() if isinstance(arg, torch.Tensor) and arg.device.type == "cpu" else None

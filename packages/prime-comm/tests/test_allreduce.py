@@ -130,6 +130,7 @@ LOCAL_ERROR = {
     "residual_length": ("ValueError", "same length"),
     "residual_dtype": ("TypeError", "float32"),
     "residual_alias": ("ValueError", "shares memory"),
+    "keep_encoding": ("TypeError", "keep_encoding must be a bool"),
 }
 
 
@@ -175,6 +176,36 @@ def test_residual_sum_and_pieces(pool4, n):
     assert same_everywhere(replies)
     for r in replies:
         assert r["finite"] and r["identity_err"] <= 1e-5
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("compression", ["uint8", "uint2", "none"])
+def test_kept_encoding_decodes_to_the_result_bit_for_bit(pool4, world, compression):
+    """keep_encoding=True: the stats' encoding is the same bytes on every rank, and its
+    decode() is every rank's result bit for bit (several pieces per chunk, a partial block);
+    None where nothing was quantized."""
+    n = 3 * (1 << 16) + BLOCK // 2 + 7
+    replies = pool4.run("encoding", world, n=n, compression=compression, seed=world)
+    assert same_everywhere(replies) and same_everywhere(replies, "encoding")
+    for r in replies:
+        if world == 1 or compression == "none":
+            assert r["encoding"] is None
+            continue
+        assert r["exact"] and r["numel"] == n and r["pieces"] >= world
+        bits = prime_comm.allreduce.BITS[compression]
+        assert r["ratio"] < bits / 32 + 0.02, r["ratio"]
+
+
+def test_encoded_result_refuses_what_it_cannot_decode():
+    q = prime_comm.quantize(torch.randn(1000))
+    enc = prime_comm.EncodedResult(q.data, 8, (1000,))
+    assert torch.equal(enc.decode(), prime_comm.dequantize(q))
+    with pytest.raises(ValueError, match="its pieces need"):
+        prime_comm.EncodedResult(q.data, 8, (999,))
+    with pytest.raises(ValueError, match="bits"):
+        prime_comm.EncodedResult(q.data, 3, (1000,))
+    with pytest.raises(ValueError, match="elements"):
+        enc.decode(torch.empty(999))
 
 
 def test_error_feedback_keeps_the_summed_error_from_growing(pool4):

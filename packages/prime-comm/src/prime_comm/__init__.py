@@ -1,6 +1,7 @@
 """prime_comm: 8/4/2-bit quantization kernels and a compressed all-reduce over torch.distributed."""
 
 from prime_comm.allreduce import AllReduceStats, all_reduce, ring_bytes
+from prime_comm.encoded import EncodedResult
 from prime_comm.errors import CollectiveAborted
 from prime_comm.quant import (
     BITS,
@@ -22,6 +23,7 @@ __all__ = [
     "LEVELS",
     "AllReduceStats",
     "CollectiveAborted",
+    "EncodedResult",
     "QuantizedTensor",
     "all_reduce",
     "dequantize",

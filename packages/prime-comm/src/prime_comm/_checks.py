@@ -35,3 +35,29 @@ def check_float_tensor(x: object, what: str = "tensor") -> torch.Tensor:
     if problem is not None:
         raise problem
     return x  # type: ignore[return-value]
+
+
+def residual_problem(residual: object, tensor: torch.Tensor) -> Exception | None:
+    """Why `residual` cannot receive `tensor`'s quantization error, or None."""
+    problem = tensor_problem(residual, "residual")
+    if problem is not None:
+        return problem
+    assert isinstance(residual, torch.Tensor)
+    if residual.numel() != tensor.numel():
+        return ValueError(
+            f"residual has {residual.numel()} elements but tensor has {tensor.numel()}; "
+            "pass a float32 buffer of the same length"
+        )
+    if residual.requires_grad:
+        return ValueError("residual requires grad; pass residual.detach()")
+    if residual.numel() and overlaps(residual, tensor):
+        return ValueError(
+            "residual shares memory with tensor; pass a separate buffer (it receives this "
+            "rank's quantization error while tensor receives the result)"
+        )
+    return None
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel()

@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 
 from prime_comm import _kernels, _preflight
-from prime_comm._checks import tensor_problem
+from prime_comm._checks import residual_problem, tensor_problem
 from prime_comm._wait import Waiter, parse_timeout
+from prime_comm.encoded import EncodedResult
 
 MIN_PIECE = 1 << 16
 BITS = {"uint8": 8, "uint4": 4, "uint2": 2}  # compression -> bits per element
@@ -59,6 +60,7 @@ class AllReduceStats:
     numel: int
     world_size: int
     compression: str
+    encoding: EncodedResult | None = None  # the result's bytes (keep_encoding=True)
 
     @property
     def fp32_ring_bytes(self) -> int:
@@ -94,7 +96,7 @@ def _argument_problem(
             f"piece_size must be an int >= {MIN_PIECE}, got {piece_size!r}"
         )
     if problem is None and residual is not None:
-        problem = _residual_problem(residual, tensor)
+        problem = residual_problem(residual, tensor)
     return problem
 
 
@@ -107,6 +109,7 @@ def all_reduce(
     should_abort: Callable[[], bool] | None = None,
     piece_size: int = DEFAULT_PIECE,
     residual: torch.Tensor | None = None,
+    keep_encoding: bool = False,
 ) -> AllReduceStats:
     """All-reduce a contiguous float32 CPU tensor in place; every rank ends bit-identical.
 
@@ -120,6 +123,10 @@ def all_reduce(
     `tensor`) that receives this rank's quantization error (module doc): the result equals
     op over ranks of (input - residual). Zeros where nothing was quantized ("none", W = 1).
     Unspecified when the call raises.
+
+    keep_encoding: the stats' `encoding` holds the bytes the result was decoded from
+    (`EncodedResult`, about 0.25x its float32 bytes at uint8; prime_comm.encoded): its
+    `decode()` is the result bit for bit. None where nothing was quantized.
     """
     start = time.perf_counter()
     pg = _resolve_group(group)
@@ -141,6 +148,8 @@ def all_reduce(
     comp_i = _index(_preflight.COMPRESSIONS, compression)
     problem = problem or _argument_problem(tensor, op_i, op, comp_i, compression, piece_size,
                                            residual)  # fmt: skip
+    if not isinstance(keep_encoding, bool):
+        problem = problem or TypeError(f"keep_encoding must be a bool, got {keep_encoding!r}")
     ok = problem is None
     numel = tensor.numel() if ok else -1
     finite = ok and _kernels.all_finite(tensor.data_ptr(), numel)
@@ -154,16 +163,22 @@ def all_reduce(
     quantized = world > 1 and numel > 0 and compression != "none"
     if res is not None and not quantized:
         res.zero_()
+    encoding = None
     if world > 1 and numel > 0:
         if compression == "none":
             s, r = _fp32_all_reduce(pg, flat, world, op, waiter)
         else:
             bits = BITS[compression]
-            s, r = _QuantAllReduce(pg, flat, world, rank, op, piece_size, waiter, bits, res).run()
+            run = _QuantAllReduce(pg, flat, world, rank, op, piece_size, waiter, bits, res)
+            if keep_encoding:
+                run.keep_encoding()
+            s, r = run.run()
+            encoding = run.encoding
         sent, received = sent + s, received + r
     return AllReduceStats(
-        sent, received, time.perf_counter() - start, max(numel, 0), world, str(compression)
-    )
+        sent, received, time.perf_counter() - start, max(numel, 0), world, str(compression),
+        encoding,
+    )  # fmt: skip
 
 
 def _resolve_group(group: object) -> dist.ProcessGroup:
@@ -180,31 +195,6 @@ def _resolve_group(group: object) -> dist.ProcessGroup:
             f"ProcessGroupGloo) that this rank belongs to, got {type(group).__name__}"
         )
     return group
-
-
-def _residual_problem(residual: object, tensor: torch.Tensor) -> Exception | None:
-    problem = tensor_problem(residual, "residual")
-    if problem is not None:
-        return problem
-    assert isinstance(residual, torch.Tensor)
-    if residual.numel() != tensor.numel():
-        return ValueError(
-            f"residual has {residual.numel()} elements but tensor has {tensor.numel()}; "
-            "pass a float32 buffer of the same length"
-        )
-    if residual.requires_grad:
-        return ValueError("residual requires grad; pass residual.detach()")
-    if residual.numel() and _overlaps(residual, tensor):
-        return ValueError(
-            "residual shares memory with tensor; pass a separate buffer (it receives this "
-            "rank's quantization error while tensor receives the result)"
-        )
-    return None
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel()
 
 
 def _index(options: tuple[str, ...], value: object) -> int:
@@ -267,6 +257,21 @@ class _QuantAllReduce:
         self.rounds = -(-self.chunk // piece)
         self.base = flat.data_ptr()
         self.sent = self.received = 0
+        self.encoding: EncodedResult | None = None
+        self._kept: dict[tuple[int, int], int] = {}  # (chunk, piece) -> offset in encoding
+
+    def keep_encoding(self) -> None:
+        """Keep the all-gathered pieces, in the tensor's order (chunk by chunk), as
+        `self.encoding`."""
+        pieces, off = [], 0
+        for j in range(self.world):
+            for r in range(self.rounds):
+                if self._len(j, r):
+                    pieces.append(self._len(j, r))
+                    self._kept[(j, r)] = off
+                    off += _kernels.encoded_bytes(self._len(j, r), self.bits)
+        data = torch.empty(off, dtype=torch.uint8)
+        self.encoding = EncodedResult(data, self.bits, tuple(pieces))
 
     def _len(self, j: int, r: int) -> int:
         return max(0, min(self.lens[j] - r * self.piece, self.piece))
@@ -364,3 +369,8 @@ class _QuantAllReduce:
             if self._len(i, r)
         ]
         _kernels.dequantize_many(jobs, False, self.bits)
+        if self.encoding is not None:
+            for i in range(self.world):
+                if (i, r) in self._kept:
+                    a, n = self._kept[(i, r)], _kernels.encoded_bytes(self._len(i, r), self.bits)
+                    self.encoding.data[a : a + n].copy_(recv[i][:n])

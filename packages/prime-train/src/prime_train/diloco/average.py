@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import prime_comm
+from prime_train.diloco.update_codec import Encoded
 
 if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
@@ -43,6 +44,7 @@ class Averaged:
     consumed: list[float] | None = None  # per data slot, the contributors' reads (summed)
     behind: int = 0  # for a late joiner: outer steps the members applied that it has not
     members_step: int | None = None  # the contributors' inner step (None: none sent)
+    encoded: Encoded | None = None  # the average as its all-reduce's bytes (`keep_encoding`)
 
 
 def average_pseudo_gradient(
@@ -57,6 +59,7 @@ def average_pseudo_gradient(
     weighted: bool = False,
     payload_for: Callable[[int], torch.Tensor] | None = None,
     step: int | None = None,
+    keep_encoding: bool = False,
 ) -> Averaged:
     """All-reduce (average) `pseudo_gradient` in place over the mesh's group (module doc);
     `outer_steps` is this node's count of applied outer steps; `reads`: this node's uncounted
@@ -65,7 +68,8 @@ def average_pseudo_gradient(
     quantization error; `weighted`: weigh the contributors by their `reads`;
     `payload_for` (streaming fragments): a late joiner's buffer for the members' outer step
     count, so that its zeros are as long as the fragment the members send; `step`: this node's
-    inner step at the sync point (the header's `members_step`)."""
+    inner step at the sync point (the header's `members_step`); `keep_encoding`: the result
+    also as the bytes it was decoded from (`Averaged.encoded`, for the update log)."""
     t = time.monotonic()
     world = mesh.global_world_size
     contributors, late, mismatch, consumed, behind = world, None, False, None, 0
@@ -90,18 +94,21 @@ def average_pseudo_gradient(
             timeout=mesh.collective_timeout(),
             should_abort=mesh.should_abort,
             residual=residual,
+            keep_encoding=keep_encoding,
         )
     except Exception as e:  # the vote tells every member; all re-form and retry
         mesh.record_collective(time.monotonic() - t, ok=False)
         error = f"{type(e).__name__}: {e}"
         return Averaged(None, error, contributors, late, mismatch, consumed, behind, members_step)
     mesh.record_collective(time.monotonic() - t)
-    if 0 < contributors < world:  # the average over the nodes that contributed
-        pseudo_gradient.mul_(world / contributors)
-    if not _finite(pseudo_gradient):
-        error = "averaged pseudo-gradient is not finite"
-        return Averaged(stats, error, contributors, late, mismatch, consumed, behind, members_step)
-    return Averaged(stats, None, contributors, late, mismatch, consumed, behind, members_step)
+    scale = world / contributors if 0 < contributors < world else 1.0
+    if scale != 1.0:  # the average over the nodes that contributed
+        pseudo_gradient.mul_(scale)
+    error = None if _finite(pseudo_gradient) else "averaged pseudo-gradient is not finite"
+    encoded = Encoded(stats.encoding, scale) if stats.encoding is not None else None
+    return Averaged(
+        stats, error, contributors, late, mismatch, consumed, behind, members_step, encoded
+    )
 
 
 def _finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:

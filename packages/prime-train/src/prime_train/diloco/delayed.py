@@ -62,6 +62,7 @@ from prime_train.diloco.contribution import outlier, stated_norm
 from prime_train.diloco.late_joiner import settle_late, sync_part
 from prime_train.diloco.outer_step import Diloco
 from prime_train.diloco.round_log import join_cost, members_before, round_counts
+from prime_train.diloco.update_codec import Encoded
 from prime_train.seam import OuterStepReport
 
 _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.0,
@@ -83,6 +84,9 @@ class DelayedDiloco(Diloco):
         self._round: dict[str, Any] = dict(_NO_ROUND)  # the round in flight or done, unapplied
         self._thread: threading.Thread | None = None
         self._fatal: BaseException | None = None
+        # the finished round's average as its all-reduce's bytes (for the update log; not
+        # checkpointed with the round: a round resumed from a checkpoint logs its floats)
+        self._encoded: Encoded | None = None
         self._last_step = 0
         self._rounds = 0  # rounds started in this process (names the threads)
 
@@ -181,6 +185,7 @@ class DelayedDiloco(Diloco):
         on meanwhile)."""
         mesh, t0 = self.mesh, time.monotonic()
         listener = self.listener  # (set by the main thread between rounds only)
+        self._encoded = None
         try:
             before = members_before(mesh)
             # a listener may come a round early: not its clock
@@ -195,6 +200,7 @@ class DelayedDiloco(Diloco):
             faults.hold_outer_round(rnd["step"], self.log)
             with listener.collective() if listener is not None else nullcontext():
                 got = self.average(regrouped, contributing, reads, step=int(rnd["step"]))
+            self._encoded = got.encoded
             committed = self.vote(got, contributing)  # a committed round's residual is kept at once
             epoch, members = mesh.installed_group  # (never raises for a later eviction)
             cost = join_cost(mesh, before, sync_seconds)  # (a round that admitted a node)
@@ -248,6 +254,7 @@ class DelayedDiloco(Diloco):
         """Apply the finished round's averaged pseudo-gradient to the outer weights (or drop
         it), and report it; the model is not touched."""
         rnd, self._round = self._round, dict(_NO_ROUND)
+        encoded, self._encoded = self._encoded, None
         if rnd["state"] != "committed":
             self._warn(
                 f"outer round of step {rnd['step']} not committed ({rnd['error']}); dropped on "
@@ -260,7 +267,8 @@ class DelayedDiloco(Diloco):
         if rnd["late"] or self.listener is not None:
             got = Averaged(None, None, int(rnd["contributors"]), late=rnd["late"] or None,
                            consumed=rnd["consumed"], behind=int(rnd["behind"]),
-                           members_step=int(rnd["members_step"]) or None)  # fmt: skip
+                           members_step=int(rnd["members_step"]) or None,
+                           encoded=encoded)  # fmt: skip
             settled = settle_late(self, got, step)  # (a late joiner's or listener's)
             if settled is None:
                 return None  # a round it listened to: kept, not applied
@@ -300,7 +308,7 @@ class DelayedDiloco(Diloco):
             note=f" | round of step {rnd['step']}, waited {waited:.2f} s",
         )
         # logged under its round's step: a joiner that replayed it joins the round after
-        self.log_update(report, step=int(rnd["step"]))
+        self.log_update(report, step=int(rnd["step"]), encoded=encoded)
         return report
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -255,6 +255,7 @@ class Listener:
         assert self.count is not None
         self.count += 1
         entry = Entry(self.count, self.step, self.outer.local_rank, "", "", update)
+        entry = entry.pack(got.encoded)
         (self.folder / str(self.count)).write_bytes(entry.encode(log_key(self.run)))
         self.kept.append(_Kept(self.count, got.consumed, tuple(self.outer.mesh.global_members)))
 

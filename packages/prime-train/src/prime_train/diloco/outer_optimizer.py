@@ -28,7 +28,10 @@ def weights_digest(flat: Tensor) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(flat.detach().numpy()).cast("B"))
 
 
-CHUNK = 1 << 16  # elements per chunk of the outer step's passes (256 KiB per buffer)
+CHUNK = (
+    1 << 18
+)  # elements per chunk of the outer step's passes: 1 MiB per buffer (of 2^14-2^20, the
+# fastest Nesterov here: 3.2x a memcpy against 4.4x at 2^16, 7.4x at 2^14 and 4.6x at 2^20)
 
 
 class OuterOptimizer:

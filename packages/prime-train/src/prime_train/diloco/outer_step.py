@@ -56,6 +56,7 @@ from prime_train.diloco.round_log import (
     round_counts,
     run_summary,
 )
+from prime_train.diloco.update_codec import Encoded
 from prime_train.metrics import Log, Metrics
 from prime_train.seam import OuterStepReport
 
@@ -206,7 +207,7 @@ class Diloco(JoinSide):
                         extra=extra,
                     )  # fmt: skip
                     self.own_seconds = 0.0
-                    self.log_update(report)
+                    self.log_update(report, encoded=got.encoded)
                     return report
                 errors.append(got.error or "a peer failed")
                 self._warn(
@@ -258,7 +259,7 @@ class Diloco(JoinSide):
         members' from the header)."""
         count = sync_count(self) if count is None else count
         feedback = self.feedback.prepare(contributing, self.fragments.span(count))
-        got = average_pseudo_gradient(
+        return average_pseudo_gradient(
             self.mesh,
             self.fragments.part(count).pseudo_gradient,
             self.cfg.compression,
@@ -270,9 +271,9 @@ class Diloco(JoinSide):
             weighted=self.cfg.round_seconds > 0,
             # a late joiner's (zero) payload: the fragment of the members' count, not its own
             payload_for=self.fragments.payload_for if self.fragments.count > 1 else None,
-            step=step,
+            step=step,  # (the update log and a listener's kept rounds store these bytes:)
+            keep_encoding=self.replay_log is not None or self.listener is not None,
         )
-        return got
 
     # -- the update log and replaying it --------------------------------------------------
 
@@ -280,9 +281,11 @@ class Diloco(JoinSide):
     def local_rank(self) -> int:
         return dist.get_rank(self.node_group) if self.node_group is not None else 0
 
-    def log_update(self, report: OuterStepReport, step: int | None = None) -> None:
+    def log_update(self, report: OuterStepReport, step: int | None = None,
+                   encoded: Encoded | None = None) -> None:  # fmt: skip
         """Append the update just applied (the pseudo-gradient buffer) to the update log;
-        `step`: the inner step of the round it belongs to (default: the report's)."""
+        `step`: the inner step of the round it belongs to (default: the report's); `encoded`:
+        the same update as its all-reduce's bytes (stored instead of the floats)."""
         if self.replay_log is None:
             return
         rank = self.local_rank
@@ -297,7 +300,7 @@ class Diloco(JoinSide):
                 # the data slots' shared state after the round: a joiner takes the last one
                 # it replays (none of the members' own reads)
                 shared=self.data.shared_state() if self.data is not None else {},
-            ).pack()
+            ).pack(encoded)
         self.replay_log.append(entry)  # (waits for the last entry's write first)
 
     @contextmanager
