@@ -35,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,8 @@ class CoordinatorProcess:
         cmd = [str(exe), "coordinator", "--host", "127.0.0.1", "--port", "0"]
         cmd += ["--min-nodes", str(min_nodes)]
         env = {**os.environ, "PRIME_TOKEN": TOKEN}
-        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+        fd, name = tempfile.mkstemp(prefix="swarm-coordinator-", suffix=".log")
+        self.log, self.log_path = os.fdopen(fd, "w"), Path(name)  # closed in close()
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True
         )
@@ -78,6 +80,14 @@ class CoordinatorProcess:
 
     def open_files(self) -> int:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def tail(self, lines: int = 30) -> str:
+        """Where the coordinator is (running, or its exit code) and the end of its log."""
+        self.log.flush()
+        code = self.proc.poll()
+        state = "running" if code is None else f"exited with {code}"
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"coordinator {state}; {self.log_path}:\n" + "\n".join(text)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -304,6 +314,9 @@ def measure(n: int, round_gap: float, per_worker: int) -> dict:
         out["stall_s"] = timed("stall", {"s": swarm.fault(signal.SIGSTOP)})["s"]
         out["threads_end"] = swarm.coord.threads()
         out["failures"] = len(swarm.stats()[1])
+    except Exception:
+        print(swarm.coord.tail(), file=sys.stderr, flush=True)
+        raise
     finally:
         swarm.close()
     out["phases_s"] = {k: round(v, 1) for k, v in timed("close", phases).items()}

@@ -196,3 +196,32 @@ def test_node_names_show_and_a_live_nodes_name_is_refused(children):
     nodes = {n["node_id"]: n["state"] for n in json.loads(out)["nodes"]}
     assert nodes == {"dc1-b": "member", "dc1-a": "joining"}, nodes
     cluster.send(["b", "a-again"], "exit")
+
+
+FAILING_LOOP = """
+import sys
+from prime_mesh import cli
+from prime_mesh.membership import Membership
+
+def tick(self):  # a bug in the state machine, injected
+    raise RuntimeError("injected bug")
+
+Membership.tick = tick
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_whose_loop_fails_exits_1_instead_of_living_on_deaf():
+    """An exception in the connection loop (a 1024-node run found one) used to end its
+    thread while the process lived on, serving nobody; now the coordinator stops, logs the
+    traceback and exits 1, so a supervisor restarts it."""
+    env = {**os.environ, "PRIME_TOKEN": TOKEN}
+    out = subprocess.run(
+        [sys.executable, "-c", FAILING_LOOP, "coordinator", "--host", "127.0.0.1", "--port", "0"],
+        env=env, capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "listening on" in out.stdout
+    assert "connection loop failed" in out.stderr and "Traceback" in out.stderr
+    assert "prime-mesh coordinator failed (RuntimeError: injected bug)" in out.stderr

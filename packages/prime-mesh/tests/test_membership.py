@@ -99,6 +99,25 @@ def test_a_waiting_node_that_dies_changes_no_epoch():
     assert ca.sent[-1]["epoch"]["epoch"] == 1 and m.epoch == 1
 
 
+def test_a_member_and_a_joiner_silent_in_the_same_tick_are_evicted_together():
+    """Found at 1024 simulated nodes: a member and a joiner past the heartbeat timeout in one
+    tick raised KeyError (the joiner's event listed the members, the member already gone),
+    which ended the coordinator's loop. Both go, the member's departure makes one epoch."""
+    clock = FakeClock()
+    m = Membership(min_nodes=2, clock=clock)
+    a, ca = _register(m, "a")
+    b, cb = _register(m, "b")
+    c, cc = _register(m, "c")  # joins at the next sync point: a joiner until then
+    assert m.epoch == 1 and states_by_key(m)["c"] == "joining"
+    clock.now += 10.0
+    m.heartbeat(a, 0)  # "b" (a member) and "c" (the joiner) went silent together
+    m.tick()
+    assert states_by_key(m) == {"a": "member"} and m.epoch == 2
+    assert cb.closed and cc.closed and not ca.closed
+    page = m.page()
+    assert any(e.get("node_id") == c.node_id for e in page["events"]), page["events"]
+
+
 def test_a_listeners_ballot_is_not_waited_for():
     """A member that arrived at its sync point `listening` (a joiner that brings nothing yet)
     does not hold the others' vote: on a slow link its collective ends after theirs. Its

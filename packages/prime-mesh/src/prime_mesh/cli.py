@@ -64,6 +64,10 @@ def _coordinator(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: coord.close())
     coord.wait()
     coord.close()
+    if coord.failed is not None:
+        print(f"prime-mesh coordinator failed ({coord.failed}): restart it; the nodes re-form "
+              "the run with it", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
     print("prime-mesh coordinator stopped", flush=True)
     return 0
 

@@ -101,6 +101,7 @@ class Coordinator:
         self._loop: ConnectionLoop | None = None
         self._thread: threading.Thread | None = None
         self._status_servers: list[Any] = []
+        self.failed: str | None = None  # why the connection loop ended by itself (a bug)
 
     @property
     def address(self) -> str:
@@ -143,10 +144,23 @@ class Coordinator:
             self.close()
             raise
         self._loop = ConnectionLoop(self._sock, self._key, self, **self._limits)
-        self._thread = threading.Thread(target=self._loop.run, name="mesh-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="mesh-loop", daemon=True)
         self._thread.start()
         log.info("coordinator listening on %s (store port %d)", self.address, self.store_port)
         return self
+
+    def _run_loop(self) -> None:
+        """The connection loop; should it fail (a bug), the coordinator stops (`wait()`
+        returns, `failed` says why) rather than live on without serving: restarted, the nodes
+        re-form the run with it, as after any coordinator restart."""
+        assert self._loop is not None
+        try:
+            self._loop.run()
+        except Exception as e:
+            if not self._stop.is_set():
+                self.failed = f"{type(e).__name__}: {e}"
+                log.exception("the coordinator's connection loop failed; the coordinator stops")
+                self._stop.set()
 
     def status(self) -> dict:
         with self.lock:

@@ -221,6 +221,8 @@ class Membership(MembershipViews):
         batch = list(reversed(here.values()))  # once each, with its first reason
         if not batch:
             return
+        leaving = {n.key for n, _ in batch}  # (the joiners' events name the members that stay)
+        staying = [self.nodes[k].node_id for k in self.members if k not in leaving]
         for node, reason in batch:
             kind = "left" if reason == "left gracefully" else "evicted"
             del self.nodes[node.key]
@@ -231,7 +233,7 @@ class Membership(MembershipViews):
                 log_departure(node, reason)
             self.history.departed_node(node.node_id, node.address, kind, reason)
             if not node.member:  # a joiner: no new epoch, but the page says what happened
-                self.history.event(kind, self.epoch, node.node_id, reason, self._member_ids())
+                self.history.event(kind, self.epoch, node.node_id, reason, staying)
             for c in node.conns.values():
                 c.send({"type": "evicted", "reason": reason, "node_id": node.node_id})
                 c.close_after_flush()
