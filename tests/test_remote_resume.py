@@ -1,7 +1,7 @@
 """A 2-node DiLoCo run with its remote tier on a real S3 API (moto's server) survives losing
 both machines: each node uploads under its own prefix (`ckpt.remote/NODE_NAME`), both nodes'
 folders are wiped (new machines, empty disks) and the same commands resume from S3 at the
-newest step both nodes hold, reproducing the uninterrupted run (weights, data position).
+newest step any node holds (both hold it here), reproducing the uninterrupted run (weights, data position).
 
 Each node runs the real CLI in its own working folder, as on its own machine: no launcher
 variables, the node's index among the nodes comes from the mesh (registration order).
@@ -126,15 +126,15 @@ def test_two_nodes_resume_from_s3_alone_after_both_disks_are_wiped(tmp_path, chi
                    s3.endpoint in p.read_text()
                    for p in split.rglob("config.json")), "the endpoint was saved"  # fmt: skip
 
-    # node 0's upload of step 40 never finished: the nodes must agree on step 20
-    s3.delete(bucket, "run/node-0/step-0000000040/")
+    # neither node's upload of step 40 finished: both resume from step 20 (where only one
+    # node lacked it, the other would resume from 40 and it would join: test_resume_newest.py)
+    for k in range(2):
+        s3.delete(bucket, f"run/node-{k}/step-0000000040/")
     shutil.rmtree(split)  # both machines lost: empty disks, empty RAM tiers
     codes, logs = run_two_nodes(children, split, cache, remote)
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     for k in range(2):
         assert "resumed from the step-20 checkpoint" in logs[k], logs[k][-3000:]
-        # node 1's step 40 in S3 is of a future the run makes again: removed, not kept by keep=2
-        assert ("removed this node's checkpoints of steps [40]" in logs[k]) == (k == 1)
         # weights, optimizer, outer momentum and data position all restored: the resumed
         # run reproduces the uninterrupted one step for step
         resumed = trace(folder_metrics(node_folder(split, k)), after_step=0)

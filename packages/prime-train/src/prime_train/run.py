@@ -196,8 +196,9 @@ class Run:
 
     def resume(self, outer: OuterStep | None) -> int:
         """Load the newest checkpoint in place; returns its step (0 for a fresh run). With an
-        outer step, the step is the one it agrees on (the newest that every node holds). A
-        node joining a running job loads the members' state instead (`diloco/join.py`)."""
+        outer step, the step is the one it agrees on (the newest any node holds); a node that
+        lacks it gets LacksNewestStep and, like a node joining a running job, loads the
+        members' state instead (`diloco/join.py`)."""
         state = self.state(outer)
         if outer is None:
             step = self.ckpt.load_latest(state)

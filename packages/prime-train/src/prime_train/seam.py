@@ -71,7 +71,9 @@ class OuterStep(Protocol):
         """Take the state after a checkpoint was loaded into `state_dict()`'s structure."""
 
     def agree_resume_step(self, local_steps: list[int]) -> int | None:
-        """The step every participant resumes from, given the steps this node holds."""
+        """The step this node resumes from, given the steps it holds (None: a fresh start).
+        An `ElasticOuterStep` whose node lacks the run's step raises
+        `prime_train.diloco.LacksNewestStep`: the node joins the run instead."""
 
     def summary(self) -> dict[str, Any] | None:
         """Totals and settings for the run's summary (None: nothing to add)."""

@@ -22,6 +22,7 @@ from prime_train.diloco.catch_up import log_key
 from prime_train.diloco.join import join_running_job
 from prime_train.diloco.membership import replay_dir
 from prime_train.diloco.replay_log import ReplayLog
+from prime_train.diloco.resume_agreement import LacksNewestStep
 from prime_train.metrics import Log, LogLines
 from prime_train.optim import lr_at
 from prime_train.outer_boundary import OuterBoundary
@@ -169,11 +170,11 @@ def replay_log(run: Run) -> ReplayLog | None:
 
 
 def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
-    """Where the loop starts: this node's own checkpoint that every node agrees on, or, for a
-    node joining a running job, the members' state and its first round with them (see
-    `diloco/join.py`). Returns the inner step the loop continues from, and the held-out loss
-    of a fresh run's step 0."""
-    cfg, log = run.cfg, run.log
+    """Where the loop starts: the newest checkpoint any founding node holds (`resume`), or,
+    for a node joining a running job (or a founder that lacks that step), the members' state
+    and its first round with them (see `diloco/join.py`). Returns the inner step the loop
+    continues from, and the held-out loss of a fresh run's step 0."""
+    cfg = run.cfg
     membership = run.placement.membership
     if membership is not None and membership.joining and isinstance(outer, ElasticOuterStep):
         if membership.members_seen + 1 > cfg.data.slots:  # no data slot would be left for it
@@ -182,22 +183,37 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
         run.metrics.open(cfg.train.steps)
         start = join_running_job(run, outer)
     else:
-        start = run.resume(outer)
-        # the members share out the data slots (slots.py); a node alone reads them all
-        members = membership.mesh.global_members if membership else [run.placement.node.name]
-        run.loader.reassign(members)
-        if start:
-            log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
-        if start >= cfg.train.steps:
-            log.info(f"the run is already complete ({start}/{cfg.train.steps} steps); "
-                     "nothing to do")  # fmt: skip
-        run.metrics.open(start)
+        try:
+            start = resume(run, outer)
+        except LacksNewestStep as e:  # the holders found the run; this node joins it
+            assert isinstance(outer, ElasticOuterStep)  # (only a mesh node's step raises it)
+            run.log.info(f"{e}; leaving the founders to join")
+            run.metrics.open(cfg.train.steps)
+            start = join_running_job(run, outer, lost=e)
     eval_loss = None
     if start == 0:
         eval_loss = run.evaluate_and_record(0)
         if cfg.model.init_from is not None:  # the starting weights, exportable as step 0
             run.checkpoint(0, outer)
     return start, eval_loss
+
+
+def resume(run: Run, outer: OuterStep | None) -> int:
+    """This node's checkpoint of the step the founders agree on (0: a fresh run), with the
+    data slots shared out among them. LacksNewestStep: this node does not hold it."""
+    cfg, log = run.cfg, run.log
+    membership = run.placement.membership
+    start = run.resume(outer)
+    # the members share out the data slots (slots.py); a node alone reads them all
+    members = membership.mesh.global_members if membership else [run.placement.node.name]
+    run.loader.reassign(members)
+    if start:
+        log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
+    if start >= cfg.train.steps:
+        log.info(f"the run is already complete ({start}/{cfg.train.steps} steps); "
+                 "nothing to do")  # fmt: skip
+    run.metrics.open(start)
+    return start
 
 
 def reached(every: int, inner: int, step: int) -> bool:

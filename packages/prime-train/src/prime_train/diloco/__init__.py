@@ -9,7 +9,7 @@ from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.diloco.membership import Membership, uses_mesh
 from prime_train.diloco.outer_optimizer import OuterOptimizer, local_tensor
 from prime_train.diloco.outer_step import Diloco, OuterStepFailed
-from prime_train.diloco.resume_agreement import NoCommonCheckpoint
+from prime_train.diloco.resume_agreement import LacksNewestStep, NoCommonCheckpoint
 from prime_train.seam import OuterStepReport
 
 
@@ -22,6 +22,7 @@ __all__ = [
     "DelayedDiloco",
     "Diloco",
     "JoinedLate",
+    "LacksNewestStep",
     "Membership",
     "NoCommonCheckpoint",
     "OuterOptimizer",

@@ -358,10 +358,10 @@ class Diloco(JoinSide):
             self.log.info(f"loaded outer step {self.rounds.outer_steps}: outer_sha256 {digest}")
 
     def agree_resume_step(self, local_steps: list[int]) -> int | None:
-        """The newest checkpoint step every rank of every node holds (None: a fresh run, no
+        """The newest checkpoint step any node holds in all its ranks (None: a fresh run, no
         node holds any): agreed inside the node first, then across nodes, each in one
-        all-gather. NoCommonCheckpoint, on every node alike, when nodes hold checkpoints but
-        share none: starting over would throw the run's progress away."""
+        all-gather. LacksNewestStep on a node that does not hold it (it joins the run the
+        holders form); see `diloco/resume_agreement.py`."""
         return agree_resume_step(
             local_steps, self.node_group, self.mesh.global_pg, self.mesh.global_world_size
         )
