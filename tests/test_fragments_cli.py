@@ -5,27 +5,18 @@ stop mid-round leave at once with the last committed sync (their local weights o
 fragments included), and the resumed run reproduces the uninterrupted one exactly. With
 `--diloco.overlap delayed` each fragment's sync is applied at the next sync point (its row one
 sync later, the last two at the last step); told to stop mid-round, the nodes stop at the
-round's end with that fragment's sync in flight, checkpoint it, and resume exactly too. A node
-joining a running job of two fragments enters at the fragment of the committed count and
-holds the members' hash from there on."""
-
-import signal
+round's end with that fragment's sync in flight, checkpoint it, and resume exactly too. (A node
+joining a running job of two fragments: tests/test_join_replay.py, "fragments".)"""
 
 import pytest
 
-from prime_mesh import Coordinator
 from prime_testkit import (
     debug_args,
-    folder_metrics,
     log_tails,
     node_metrics,
-    outer_by_step,
     outer_hashes,
     run_local_nodes,
-    start_cli_node,
-    start_nodes_in_turn,
     trace,
-    wait_until,
 )
 from prime_testkit.runs import outer_rows
 
@@ -99,54 +90,3 @@ def test_three_fragments_sync_in_turn_and_resume_exactly(tmp_path, token_cache, 
         assert a == b, (
             f"node {k}: resumed run differs: {sorted(set(a.items()) ^ set(b.items()))[:6]}"
         )
-
-
-# long enough never to end by itself: the test stops the nodes (SIGTERM) after the joiner's rounds
-NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": 10,
-        "args": ["--diloco.fragments", "2", "--ckpt.every", "0"]}  # fmt: skip
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_joiner_enters_the_fragment_cycle_with_the_members_hash(tmp_path, token_cache, children):
-    # overlap "delayed": the joiner's snapshot may hold a fragment's sync in flight (the
-    # synchronous join with fragments: test_cut_link's rejoin)
-    node = {**NODE, "args": [*NODE["args"], "--diloco.overlap", "delayed"]}
-    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
-    folders = [tmp_path / f"node{k}" for k in range(3)]
-    try:
-        nodes = dict(enumerate(start_nodes_in_turn(children, folders[:2], coord,
-                                                   cache=token_cache, **node)))  # fmt: skip
-
-        def outer_of(k: int) -> int:
-            return max(outer_by_step(folder_metrics(folders[k])), default=0)
-
-        def alive() -> bool:
-            return all(p.poll() is None for p in nodes.values())
-
-        wait_until(lambda: outer_of(0) >= 3 or not alive(), 240, what="3 syncs")
-        nodes[2] = start_cli_node(children, folders[2], coordinator=coord.address,
-                                  cache=token_cache, **node)  # fmt: skip
-        wait_until(lambda: any(r.get("joined") for r in folder_metrics(folders[2]))
-                   or not alive(), 240, what="the joiner's entry")  # fmt: skip
-        entered = outer_of(2)
-        wait_until(lambda: outer_of(2) >= entered + 3 or not alive(), 240,
-                   what="the joiner's next 3 syncs")  # fmt: skip
-        assert alive(), log_tails(tmp_path)
-        for p in nodes.values():  # each stops at its next sync
-            p.send_signal(signal.SIGTERM)
-        codes = [p.wait(timeout=120) for p in nodes.values()]
-    finally:
-        coord.close()
-    assert codes == [0, 0, 0], log_tails(tmp_path)
-    theirs = outer_by_step(folder_metrics(folders[0]))
-    for k in range(3):
-        mine = outer_by_step(folder_metrics(folders[k]))
-        for n, r in mine.items():  # the fragment follows the committed count on every node
-            # (delayed: the sync of step 5n is applied, and its row written, a sync later)
-            assert r["fragment"] == (n - 1) % 2 and r.get("round_step", r["step"]) == 5 * n, r
-            if n in theirs:
-                assert r["outer_sha256"] == theirs[n]["outer_sha256"], (k, n)
-    joined = outer_by_step(folder_metrics(folders[2]))
-    assert len([n for n in joined if n in theirs]) >= 3, (sorted(joined), sorted(theirs))
-    assert max(joined) > entered

@@ -3,7 +3,8 @@ committed updates and enters with their exact outer weights, without exiting (is
 
 Through the CLI, each node its own process in its own folder, on the WAN bed (network
 namespaces, every link 8 Mbit/s, the donors serving at half of it): synchronous, with 2
-streaming fragments (each round one fragment's) and with `overlap = "delayed"`, the joiner is
+streaming fragments (each round one fragment's) synced with `overlap = "delayed"`, and with
+`overlap = "delayed"` alone, the joiner is
 admitted before its snapshot arrives and listens (`diloco/listen.py`) for the many rounds it
 takes, the members not waiting for that transfer, then replays the kept rounds and enters
 with the members' outer hash.
@@ -100,16 +101,18 @@ def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
     setting's advice); the joiner's ~8.7 MB snapshot takes several short rounds to cross its
     link, beside the rounds' all-reduce on the same link. It is admitted before its snapshot
     arrives, listens, replays the kept rounds and enters with the members' hash. With 2
-    streaming fragments (a sync every H / 2 steps, each one fragment's) it listens to the
-    fragment the members sync; with `overlap = "delayed"` the members' all-reduce runs behind
-    their inner steps meanwhile."""
+    streaming fragments (a sync every H / 2 steps, each one fragment's, delayed: its snapshot
+    may hold a fragment's sync in flight) it listens to the fragment the members sync and
+    enters at the fragment of the committed count; with `overlap = "delayed"` the members'
+    all-reduce runs behind their inner steps meanwhile. (The synchronous join with fragments:
+    test_cut_link's rejoin.)"""
     n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
     coord_log = tmp_path / "coordinator.log"
     node = {k: v for k, v in NODE.items() if k != "host"}
     fragments = 2 if mode == "fragments" else 1
     node = {**node, "args": ["--mesh.serve_mbit", str(BED_MBIT / 2),
                              "--diloco.fragments", str(fragments),
-                             "--diloco.overlap", "delayed" if mode == "delayed" else "none"],
+                             "--diloco.overlap", "none" if mode == "sync" else "delayed"],
             "env": {"GLOO_SOCKET_IFNAME": "eth0", **BED_HEARTBEATS}}  # fmt: skip
     with WanBed(4, rate_mbit=BED_MBIT) as bed:  # (closing it kills what is left inside)
         with open(coord_log, "w") as out:
@@ -145,6 +148,9 @@ def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
         for folder in (n0, n1, n2):
             rows = outer_by_step(folder_metrics(folder))
             assert all(r["fragment"] == (k - 1) % fragments for k, r in rows.items()), rows
+            # (delayed: the sync of its round applied, and its row written, a sync later)
+            assert all(r.get("round_step", r["step"]) % (H // fragments) == 0
+                       for r in rows.values()), rows  # fmt: skip
 
 
 @pytest.mark.slow
