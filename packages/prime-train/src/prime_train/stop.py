@@ -12,9 +12,12 @@ import torch.distributed as dist
 from prime_train.placement import Placement
 
 
-class StoppedEarly(Exception):
+class StoppedEarly(BaseException):
     """A stop signal before the loop began (loading, or joining a running job: waiting,
-    fetching, listening): this process holds nothing of its own to save yet."""
+    fetching, listening): this process holds nothing of its own to save yet. A BaseException,
+    as KeyboardInterrupt is: raised wherever the main thread is, it must not be taken for that
+    code's own failure (a churn run found a listener's SIGTERM, landing in its all-reduce,
+    counted as a failed all-reduce: the node joined again instead of exiting)."""
 
 
 class StopSignal:
