@@ -25,9 +25,11 @@ from prime_testkit import (
     wait_until,
 )
 
+ROUNDS_TOGETHER = 3  # rounds both nodes contribute to after the join, before the stop
+
 TOKEN = "resume-newest-test-token"
 H = 10
-STEPS = 80
+STEPS = 5000  # never reached: the test stops the nodes (SIGTERM), however fast the machine
 ARGS = ("--data.seq_len", "64", "--train.batch_size", "4",
         "--ckpt.every", "10", "--ckpt.keep", "3")  # fmt: skip
 
@@ -78,7 +80,16 @@ def test_founders_resume_from_the_newest_step_and_a_node_behind_joins(
         f.with_suffix(".log").rename(f.with_suffix(".first.log"))
 
     coord, folders, nodes = start(children, tmp_path, token_cache, "second")
-    codes = [p.wait(timeout=300) for p in nodes]
+
+    def together() -> int:  # node 0's rounds since the joiner contributes
+        return sum(r["contributors"] == 2 for r in outer_by_step(folder_metrics(folders[0])).values()
+                   if r["step"] > newest)  # fmt: skip
+
+    wait_until(lambda: together() >= ROUNDS_TOGETHER or any(p.poll() is not None for p in nodes),
+               240, what=f"{ROUNDS_TOGETHER} rounds of both nodes")  # fmt: skip
+    for p in nodes:
+        p.send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=120) for p in nodes]
     coord.send_signal(signal.SIGTERM)
     assert codes == [0, 0], log_tails(tmp_path)
     logs = [f.with_suffix(".log").read_text() for f in folders]
@@ -91,14 +102,16 @@ def test_founders_resume_from_the_newest_step_and_a_node_behind_joins(
     assert len(joined) == 1, joined
     # node 0 continues after the newest step: its next outer row is the round after it
     after = sorted(r["step"] for r in outer_by_step(rows[0]).values() if r["step"] > newest)
-    assert after and after[0] == newest + H and after[-1] == STEPS, after
+    assert after and after[0] == newest + H, after
     # from its entry on (its first contribution is the round after), node 1 writes the
     # outer step's hash that node 0 wrote, one per outer step, to the run's end
     mine = {k: r for k, r in outer_by_step(rows[1]).items() if r["step"] > newest}
     theirs = outer_by_step(rows[0])
     assert min(r["step"] for r in mine.values()) == joined[0]["step"], (mine, joined)
-    assert any(r["contributors"] == 2 for r in mine.values()), mine
-    assert {k: r["outer_sha256"] for k, r in mine.items()} == {
-        k: theirs[k]["outer_sha256"] for k in mine
+    # (told to stop together, one node may commit one round more, alone, as the other leaves)
+    both = {k: r for k, r in mine.items() if k in theirs}
+    assert sum(r["contributors"] == 2 for r in both.values()) >= ROUNDS_TOGETHER, (mine, theirs)
+    assert len(mine) - len(both) <= 1, (sorted(mine), sorted(theirs))
+    assert {k: r["outer_sha256"] for k, r in both.items()} == {
+        k: theirs[k]["outer_sha256"] for k in both
     }, (mine, theirs)
-    assert max(mine) == max(theirs) == STEPS // H
