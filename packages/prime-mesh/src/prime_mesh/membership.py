@@ -397,6 +397,3 @@ class Membership(MembershipViews):
         if self.members:
             return self.nodes[self.members[0]]
         return next((n for k, n in self.nodes.items() if k != exclude), None)
-
-    def _member_ids(self) -> list[str]:
-        return [self.nodes[k].node_id for k in self.members]
