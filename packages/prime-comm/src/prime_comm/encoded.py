@@ -16,6 +16,7 @@ import torch
 
 from prime_comm import _kernels
 from prime_comm._checks import check_float_tensor
+from prime_comm.quant import _check_bits
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,7 @@ class EncodedResult:
         return sum(self.pieces)
 
     def __post_init__(self) -> None:
-        if self.bits not in _kernels.BITS:
-            raise ValueError(f"bits must be 8, 4 or 2, got {self.bits}")
+        _check_bits(self.bits)
         if any(not isinstance(n, int) or n <= 0 for n in self.pieces):
             raise ValueError("every piece must hold a positive number of elements")
         d = self.data
