@@ -179,23 +179,27 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
     if membership is not None and membership.joining and isinstance(outer, ElasticOuterStep):
         if membership.members_seen + 1 > cfg.data.slots:  # no data slot would be left for it
             raise too_many_readers(membership.members_seen + 1, cfg.data.slots)
-        # (a joiner keeps every row of an earlier life: all precede where the members are)
-        run.metrics.open(cfg.train.steps)
-        start = join_running_job(run, outer)
+        start = _join(run, outer)
     else:
         try:
             start = resume(run, outer)
         except LacksNewestStep as e:  # the holders found the run; this node joins it
             assert isinstance(outer, ElasticOuterStep)  # (only a mesh node's step raises it)
             run.log.info(f"{e}; leaving the founders to join")
-            run.metrics.open(cfg.train.steps)
-            start = join_running_job(run, outer, lost=e)
+            start = _join(run, outer, lost=e)
     eval_loss = None
     if start == 0:
         eval_loss = run.evaluate_and_record(0)
         if cfg.model.init_from is not None:  # the starting weights, exportable as step 0
             run.checkpoint(0, outer)
     return start, eval_loss
+
+
+def _join(run: Run, outer: ElasticOuterStep, lost: BaseException | None = None) -> int:
+    """Join the running job (`diloco/join.py`); `lost`: why this node left the founders."""
+    # (a joiner keeps every row of an earlier life: all precede where the members are)
+    run.metrics.open(run.cfg.train.steps)
+    return join_running_job(run, outer, lost=lost)
 
 
 def resume(run: Run, outer: OuterStep | None) -> int:
