@@ -57,6 +57,7 @@ class CoordinatorProcess:
         env = {**os.environ, "PRIME_TOKEN": TOKEN}
         fd, name = tempfile.mkstemp(prefix="swarm-coordinator-", suffix=".log")
         self.log, self.log_path = os.fdopen(fd, "w"), Path(name)  # closed in close()
+        self.keep_log = False  # (kept once its tail was printed: a failure to look into)
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True
         )
@@ -87,6 +88,7 @@ class CoordinatorProcess:
         code = self.proc.poll()
         state = "running" if code is None else f"exited with {code}"
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        self.keep_log = True
         return f"coordinator {state}; {self.log_path}:\n" + "\n".join(text)
 
     def close(self) -> None:
@@ -97,6 +99,8 @@ class CoordinatorProcess:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
 
 
 def pct(values: list[float], q: float) -> float:
