@@ -116,7 +116,7 @@ class OuterBoundary:
             step = self._rejoin(e)
         else:  # this node reached the sync point in time: a round with it settled
             self.missed = 0
-        self.committed = CommittedState.take(self.run, step, report, reuse=self.committed)
+        self.committed = CommittedState.take(self.run, step, report)
         self.round_start, self.round_t0 = step, None
         return step
 
@@ -144,7 +144,7 @@ class OuterBoundary:
             self._coordinator_gone(e)
         except MEMBERSHIP_LOST as e:
             step = self._rejoin(e)
-            self.committed = CommittedState.take(self.run, step, None, reuse=self.committed)
+            self.committed = CommittedState.take(self.run, step)
             self.round_start, self.round_t0 = step, None
         return step
 

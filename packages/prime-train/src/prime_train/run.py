@@ -26,6 +26,7 @@ from prime_train.placement import Placement
 from prime_train.rundir import claim_run_dir
 from prime_train.seam import OuterStep
 from prime_train.slot_loader import SlotLoader
+from prime_train.spill import TensorSpill
 from prime_train.tokens import make_tokenizer
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -84,6 +85,10 @@ class Run:
         )
         self.ckpt_dir = placement.ckpt_dir
         self.ckpt = self._open_checkpoints()
+        # the committed record's tensors (`diloco/committed.py`), in a scratch file: written
+        # while the next inner step computes; the optimizer's step waits for the write
+        self.spill = TensorSpill(self.ckpt_dir / f".committed-r{placement.rank}")
+        self.opt.register_step_pre_hook(self._before_optimizer_step)
         self.log.info(
             f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
             f"{'bf16' if self.bf16 else 'fp32'} on {self.device}, "
@@ -233,6 +238,12 @@ class Run:
         self.progress.update(state["progress"])
         checkpointing.restore_rng(state)
 
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self.spill.wait()
+
     def close(self) -> None:
-        self.metrics.close()
-        self.ckpt.close()
+        try:
+            self.spill.close()
+        finally:
+            self.metrics.close()
+            self.ckpt.close()

@@ -3,8 +3,9 @@
 Only a committed outer step changes the outer weights and momentum, and every member holds
 the same ones (with `overlap = "delayed"`, the round in flight is dropped as a failed one is).
 This record names that step (`outer_step`, the outer weights' hash) and keeps the loop's
-position there (inner step, data order, progress, RNG, and a host copy of the inner
-optimizer's moments, which are the node's own), taken at each outer boundary. It is what a
+position there (inner step, data order, progress, RNG, and the inner optimizer's moments,
+which are the node's own: those in a scratch file, `prime_train/spill.py`, not in RAM), taken
+at each outer boundary. It is what a
 joiner must reach exactly, what a node checkpoints when its coordinator does not come back or
 when it is told to stop mid-round (dropping the inner steps since: the replicas are not in
 sync; a run resumed from it continues exactly as if it had stopped at that boundary), and the
@@ -13,7 +14,7 @@ clock, ...).
 
 With streaming fragments (`[diloco] fragments` > 1) the model at a committed sync is not the
 outer weights (the other fragments hold local progress since their own syncs): the record
-then also keeps a host copy of the model's weights there, and puts those back (with
+then also keeps the model's weights there (in the same file), and puts those back (with
 `overlap = "delayed"` the fragment in flight there is dropped with them: the resumed run
 syncs that fragment again at its next sync point, every node alike).
 """
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prime_train.checkpointing import restore_optimizer, snapshot_optimizer
+from prime_train.checkpointing import optimizer_state
 from prime_train.diloco.outer_optimizer import local_tensor
 from prime_train.seam import ElasticOuterStep, OuterStepReport
 
@@ -43,20 +44,16 @@ class CommittedState:
     data: dict[str, Any]
     progress: dict[str, Any]
     rng: torch.Tensor
-    optimizer: dict[str, dict[str, Any]]  # the inner optimizer's state, in host memory
-    model: list[torch.Tensor] | None = None  # with fragments: the model's weights (host)
+    optimizer: dict[str, dict[str, Any]]  # the inner optimizer's plain values (tensors: spilled)
 
     @classmethod
-    def take(
-        cls,
-        run: Run,
-        step: int,
-        report: OuterStepReport | None = None,
-        reuse: CommittedState | None = None,
-    ) -> CommittedState:
+    def take(cls, run: Run, step: int, report: OuterStepReport | None = None) -> CommittedState:
         """The state at inner step `step`, a boundary just committed (`report`: its outer
-        step's report, when the step makes one); `reuse`: the record it replaces, whose host
-        copies are overwritten in place (one copy of the moments in memory, not two)."""
+        step's report, when the step makes one). Its tensors (the inner optimizer's, and with
+        fragments the model's) go to `run.spill` in the background: the optimizer's next step
+        waits for them."""
+        tensors, plain = _spilled(run)
+        run.spill.write(tensors)
         return cls(
             step=step,
             outer_step=report.outer_step if report else None,
@@ -64,8 +61,7 @@ class CommittedState:
             data=dict(run.loader.state_dict()),
             progress=dict(run.progress),
             rng=torch.get_rng_state(),
-            optimizer=snapshot_optimizer(run.model, run.opt, reuse.optimizer if reuse else None),
-            model=_model_copy(run, reuse.model if reuse else None),
+            optimizer=plain,
         )
 
     def checkpoint(self, run: Run, outer: ElasticOuterStep) -> None:
@@ -75,11 +71,10 @@ class CommittedState:
         if self.step in run.ckpt.committed_steps():
             return
         outer.rollback_to_outer()  # (with overlap: drops the round in flight, as failed)
-        if self.model is not None:  # fragments: the other fragments' local progress back
-            with torch.no_grad():
-                for p, saved in zip(run.params, self.model, strict=True):
-                    local_tensor(p).copy_(saved)
-        restore_optimizer(run.model, run.opt, self.optimizer)
+        tensors, _ = _spilled(run)  # (fragments: the other fragments' local progress too)
+        run.spill.read_into(tensors)
+        for name, state in optimizer_state(run.model, run.opt).items():
+            state.update(self.optimizer[name])
         run.loader.load_state_dict(self.data)
         run.progress.clear()
         run.progress.update(self.progress)
@@ -88,12 +83,14 @@ class CommittedState:
         run.ckpt.wait_durable()
 
 
-@torch.no_grad()
-def _model_copy(run: Run, old: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-    """With fragments, a host copy of the model's weights (into `old` when it fits)."""
-    if run.cfg.diloco.fragments <= 1:
-        return None
-    live = [local_tensor(p).detach() for p in run.params]
-    if old is not None and [t.shape for t in old] == [t.shape for t in live]:
-        return [o.copy_(t) for o, t in zip(old, live, strict=True)]
-    return [t.to("cpu", copy=True) for t in live]
+def _spilled(run: Run) -> tuple[list[torch.Tensor], dict[str, dict[str, Any]]]:
+    """What the record keeps of the live state: its tensors (this rank's local ones: the inner
+    optimizer's, then with fragments the model's weights) and the optimizer's plain values."""
+    tensors: list[torch.Tensor] = []
+    plain: dict[str, dict[str, Any]] = {}
+    for name, state in optimizer_state(run.model, run.opt).items():
+        plain[name] = {k: v for k, v in state.items() if not torch.is_tensor(v)}
+        tensors += [local_tensor(v) for v in state.values() if torch.is_tensor(v)]
+    if run.cfg.diloco.fragments > 1:
+        tensors += [local_tensor(p).detach() for p in run.params]
+    return tensors, plain
