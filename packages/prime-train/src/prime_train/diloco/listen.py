@@ -65,6 +65,7 @@ from prime_train.diloco.catch_up import Fetched, fetch_entries, log_key, on_prim
 from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.diloco.replay_log import Entry
 from prime_train.diloco.snapshot import Snapshot, load_snapshot
+from prime_train.diloco.update_codec import decode
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
@@ -185,7 +186,7 @@ class Listener:
         average = self.outer.round_update(self.count)
         done, failed, snapshot = self._state()
         if snapshot is not None:
-            with _kept_aside(average):  # (a delayed snapshot's pending round uses the buffer)
+            with _kept_aside(average, got):  # (a delayed snapshot's pending round uses it)
                 self._load(snapshot)
             done, failed, _ = self._state()
         if failed is not None:
@@ -201,7 +202,7 @@ class Listener:
             self.outer.rollback_to_outer()  # its model goes back to its own outer weights
             self._check_bound()
             return False
-        with _kept_aside(average):  # (replaying uses the buffer)
+        with _kept_aside(average, got):  # (replaying uses the buffer)
             self._catch_up()
         self.caught_up = True
         self.run.log.info(
@@ -296,10 +297,15 @@ class Listener:
 
 
 @contextmanager
-def _kept_aside(buffer: torch.Tensor) -> Iterator[None]:
-    """`buffer` holds the same values after the block as before (a copy is kept meanwhile)."""
-    kept = buffer.clone()
+def _kept_aside(average: torch.Tensor, got: Averaged) -> Iterator[None]:
+    """`average` (this round's, in the outer step's buffer) holds the same values after the
+    block as before: decoded again from the all-reduce's bytes the round kept (no copy of the
+    model's size meanwhile), or, without compression, from a copy."""
+    kept = average.clone() if got.encoded is None else None
     try:
         yield
     finally:
-        buffer.copy_(kept)
+        if got.encoded is not None:
+            decode(got.encoded, out=average)
+        else:
+            average.copy_(kept)

@@ -66,8 +66,13 @@ def unpack(d: dict) -> torch.Tensor:
         raise ValueError(f"update packing: {e}") from e
     if encoding.numel != n:
         raise ValueError(f"update packing: pieces of {encoding.numel} elements for {n}")
-    out = encoding.decode()
-    scale = float(d["scale"])
-    if scale != 1.0:
-        out.mul_(scale)
+    return decode(Encoded(encoding, float(d["scale"])))
+
+
+def decode(encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The averaged update `encoded` holds, bit for bit (a new tensor, or written into `out`,
+    contiguous float32 of its length)."""
+    out = encoded.encoding.decode(out)
+    if encoded.scale != 1.0:
+        out.mul_(encoded.scale)
     return out
