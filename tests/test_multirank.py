@@ -21,6 +21,7 @@ from prime_testkit import (
     node_metrics,
     outer_by_step,
     trace,
+    wait_exit,
     wait_until,
 )
 from prime_train.slot_loader import SlotLoader
@@ -131,7 +132,7 @@ def test_two_nodes_of_two_ranks_learn_match_and_resume_exactly(tmp_path, childre
     wait_until(lambda: 1 in outer_by_step(node_metrics(split / "debug")) or p.poll() is not None,
                200, what="the first outer step")  # fmt: skip
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=200) == 0, log.read_text()[-3000:]
+    assert wait_exit(p, 200, log) == 0, log.read_text()[-3000:]
     assert "stopped after step" in log.read_text()
     r = subprocess.run(
         [sys.executable, "-m", "prime_train.cli", *debug_args(split, cache, *ARGS)],

@@ -1,9 +1,11 @@
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from prime_testkit import Children, wait_until
+from prime_testkit import Children, clean_env, debug_args, wait_exit, wait_until
 
 
 def test_children_are_killed_and_reaped():
@@ -74,3 +76,21 @@ def test_rank_pool_reports_a_failing_case_and_goes_on(rank_pool):
         rank_pool.run(_case_fail, 2)
     # rank 1's answer to the failed call is stale now: the next call gets its own answers
     assert [r["sum"] for r in rank_pool.run(_case_sum, 2, value=0)] == [1.0, 1.0]
+
+
+def test_a_process_still_running_past_its_wait_prints_its_stacks(tmp_path, children):
+    """`wait_exit` on a prime-train run that does not end in time: the error carries every
+    thread's stack of each of its prime-train processes (SIGUSR1), and the run goes on."""
+    log = tmp_path / "run.log"
+    args = debug_args(tmp_path / "runs", tmp_path / "cache", "--launch.local_nodes", "1",
+                      "--data.source", "synthetic", "--train.steps", "100000")  # fmt: skip
+    with open(log, "w") as out:
+        p = children.popen([sys.executable, "-m", "prime_train.cli", *args],
+                           env=clean_env(PRIME_TOKEN="testkit"), stdout=out,
+                           stderr=subprocess.STDOUT)  # fmt: skip
+    wait_until(lambda: "parameters" in log.read_text() or p.poll() is not None, 120,
+               what="the run's start")  # fmt: skip
+    with pytest.raises(AssertionError, match="still running") as e:
+        wait_exit(p, 1, log)
+    assert "most recent call first" in str(e.value) and "prime_train" in str(e.value)
+    assert p.poll() is None  # (the handler printed and went on)

@@ -3,7 +3,8 @@ than one test file uses lives here, once, one module per concern.
 
 - children: `Children` (and the `children` fixture of the root conftest.py): child processes
   in their own process group that die with the test process and are killed and reaped at
-  teardown; `free_port`, `wait_until` (every wait bounded), `die_with_parent`.
+  teardown; `free_port`, `wait_until` and `wait_exit` (every wait bounded; a process that
+  does not end prints its stacks), `die_with_parent`.
 - nodes: `Nodes`: named node processes driven through command and report queues, for tests
   that kill or stop their processes.
 - cli_node: prime-train nodes through the real CLI. `debug_args` (configs/debug.toml with a
@@ -36,7 +37,14 @@ Beside the kit in tests/support: prime_browser (headless Chromium: `chromium`, `
 
 from typing import Any
 
-from prime_testkit.children import Children, die_with_parent, free_port, load_target, wait_until
+from prime_testkit.children import (
+    Children,
+    die_with_parent,
+    free_port,
+    load_target,
+    wait_exit,
+    wait_until,
+)
 from prime_testkit.ckpt import donor_processes, make_checkpoint
 from prime_testkit.cli_node import (
     clean_env,
@@ -126,5 +134,6 @@ __all__ = [
     "start_local_nodes",
     "start_ranked_node",
     "trace",
+    "wait_exit",
     "wait_until",
 ]

@@ -131,3 +131,52 @@ def wait_until(
             return
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc's parent links)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += parents.get(p, [])
+    return out
+
+
+def wait_exit(p: subprocess.Popen, timeout: float, log: str | os.PathLike | None = None) -> int:
+    """`p`'s exit code, waited for `timeout` seconds at most. Past it, every prime-train
+    process of its tree prints its threads' stacks (SIGUSR1), and AssertionError carries the
+    log's tail with them: a test that hangs says where."""
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    alive = []
+    for pid in _descendants(p.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        alive.append(f"{pid}: {cmd[:160]}")
+        if "prime_train.cli" in cmd:  # (its handler prints and goes on; not to other programs)
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(3)  # (the stacks reach the log through the launcher's pipes)
+    tail = ""
+    if log is not None:
+        with open(log, errors="replace") as f:
+            tail = f.read()[-12000:]
+    raise AssertionError(
+        f"pid {p.pid} still running {timeout:.0f} s later; its processes:\n"
+        + "\n".join(alive)
+        + f"\n--- log tail (with their stacks) ---\n{tail}"
+    )

@@ -9,11 +9,14 @@ Settings come from, highest first: command-line overrides (--train.steps 20), en
 variables PRIME_SECTION__KEY (PRIME_TRAIN__STEPS=20), the TOML file, then the defaults below.
 The shared secret is read from PRIME_TOKEN only. Re-running the same command resumes the run
 from its newest checkpoint; Ctrl-C or SIGTERM finishes the step, checkpoints and exits 0.
+SIGUSR1 prints every thread's stack to stderr and goes on (`kill -USR1 PID`: where a process
+that does not end is waiting).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -111,6 +114,7 @@ def _stopped_while_starting(signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (where a stuck process waits)
     return_freed_memory()  # before the model's first allocation
     if argv[:1] == ["plot"]:
         return _plot(argv[1:])
