@@ -33,7 +33,13 @@ def recover(
     (it rejoins through live recovery), MeshAuthError when the coordinator there does not
     share the token."""
     session.client.close()
-    # An epoch the lost coordinator pushed but this node never installed is void.
+    # Who the re-formed run waits for: the installed epoch's members but those a newer epoch
+    # the lost coordinator pushed left out (they left or were evicted meanwhile: they do not
+    # come back to it); that epoch itself, never installed, is void.
+    pushed = session.latest
+    newer = pushed.members if pushed is not None and pushed.number > epoch.number else None
+    members = [m for m in epoch.members
+               if newer is None or m in newer or m == session.node_id]  # fmt: skip
     session.void_after(epoch)
     started = time.monotonic()
     deadline = started + grace
@@ -49,7 +55,7 @@ def recover(
     resume = {
         "node_id": session.node_id,
         "epoch": epoch.number,
-        "members": list(epoch.members),
+        "members": members,
         "outer_step": outer[0],
         "outer_hash": outer[1],
     }
