@@ -139,7 +139,7 @@ def _listen_and_enter(
         "joining a running job: ready at once, admitted at the members' next sync point; "
         "the snapshot comes in the background while this node listens"
     )
-    _wait_admitted(run, joining)
+    wait_admitted(run, joining)
     total = run.cfg.train.steps
     report = outer.enter(min(outer.round_end(0), total))
     while report is None and not listener.caught_up:
@@ -175,12 +175,13 @@ def _entered(run: Run, joining: Joining, report: OuterStepReport) -> None:
     run.progress["step"] = report.step
 
 
-def _wait_admitted(run: Run, joining: Joining) -> None:
+def wait_admitted(run: Run, joining: Joining) -> None:
     """Until the coordinator lists this node as a member (the members' next sync point), or
     the snapshot's fetch finds the members gone: `RunCompleted` (exit 0) when they finished
     the run, else `JoinFailed`; `MeshTimeout` past the mesh's `join_timeout` (as its own wait
-    for admission); `MeshEvicted` when it was evicted meanwhile (stalled or cut off): decided
-    on local rank 0 for all ranks."""
+    for admission); `MeshEvicted` when it was evicted meanwhile, `CoordinatorLost` when its
+    connection ended (a stall past the heartbeat timeout ends it so, often before the
+    eviction's notice is read): decided on local rank 0 for all ranks."""
     membership = run.placement.membership
     assert membership is not None
     me = membership.mesh.node_id
@@ -198,9 +199,9 @@ def _wait_admitted(run: Run, joining: Joining) -> None:
             )
         try:
             members = membership.mesh.members()
-        except MeshEvicted as e:
-            return "MeshEvicted", str(e)
-        except Exception:  # the coordinator briefly away: ask again
+        except (MeshEvicted, CoordinatorLost) as e:  # its connection is gone: join again
+            return type(e).__name__, str(e)
+        except MeshTimeout:  # the coordinator slow to answer: ask again
             return None
         return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
                                      for m in members) else None  # fmt: skip
@@ -208,7 +209,7 @@ def _wait_admitted(run: Run, joining: Joining) -> None:
     while (got := on_primary(run, ask)) is None:
         time.sleep(0.2)
     kind, why = got
-    errors = {"RunCompleted": RunCompleted, "JoinFailed": JoinFailed,
-              "MeshTimeout": MeshTimeout, "MeshEvicted": MeshEvicted}  # fmt: skip
+    errors = {"RunCompleted": RunCompleted, "JoinFailed": JoinFailed, "MeshTimeout": MeshTimeout,
+              "MeshEvicted": MeshEvicted, "CoordinatorLost": CoordinatorLost}  # fmt: skip
     if kind in errors:
         raise errors[kind](why)
