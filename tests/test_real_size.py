@@ -20,12 +20,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import real_size  # noqa: E402
 
 # anonymous bytes per parameter at the peak, the interpreter's fixed part subtracted. What a
-# member holds (packages/prime-train/README.md, "Costs per parameter"): fp32 weights 4, AdamW
-# 8, outer weights 4, outer momentum 4, the pseudo-gradient 4, the committed record's copy of
-# AdamW's moments 8 = 32, the backward's gradients 4, scratch: 42.6-44.3 measured. Issue 35's
-# goal, 32 with everything, needs the last two copies gone: not there yet.
-MEMBER_ANON = 48.0
-JOINER_ANON = 60.0  # 54.2 measured (its listening and loading paths hold more)
+# node holds (packages/prime-train/README.md, "Costs per parameter"): fp32 weights 4, AdamW
+# 8, outer weights 4, outer momentum 4, the pseudo-gradient 4 = 24, the backward's gradients
+# 4, scratch (a larger share at this small size than at 134M, where a member holds 29.2):
+# members 33.5, the joiner 31.3 measured. Before the committed record's moments went to a
+# scratch file and a listener stopped copying its round's average aside: 42.6-44.3 and 54.2.
+MEMBER_ANON = 36.0
+JOINER_ANON = 36.0
 
 
 README_ARGS = ["--dim", "256", "--n_layers", "4", "--join-at", "2", "--joiner-rounds", "1"]
