@@ -112,9 +112,18 @@ def _stopped_while_starting(signum: int, _frame: object) -> None:
     raise SystemExit(0)
 
 
+def _stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints every thread's stack to the process's own stderr (fd 2) and goes on:
+    where a process that does not end waits."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no stderr file descriptor: nowhere to print
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (where a stuck process waits)
+    _stacks_on_sigusr1()
     return_freed_memory()  # before the model's first allocation
     if argv[:1] == ["plot"]:
         return _plot(argv[1:])
