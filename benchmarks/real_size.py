@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -402,7 +403,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-within-s", type=float, default=25.0, help="train.stop_within_s")
     ap.add_argument("--timeout", type=float, default=1800.0, help="bound on each wait, seconds")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: a temporary one)")
-    ap.add_argument("--work", default=None, help="the nodes' folders (default: a temporary one)")
+    ap.add_argument(
+        "--work",
+        default=None,
+        help="the nodes' folders, kept (default: a temporary one; only logs kept)",
+    )
     ap.add_argument("extra", nargs="*", help="more prime-train settings (after --)")
     return ap.parse_args(argv)
 
@@ -417,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="real_size-out-"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "real_size.json").write_text(json.dumps({"args": vars(args), **result}, indent=2) + "\n")
+    if not args.work:  # the nodes' folders (checkpoints: GBs at a real size) go, their logs stay
+        for name in result["nodes"]:
+            shutil.rmtree(work / name, ignore_errors=True)
     print(f"wrote {out / 'real_size.json'}; logs in {work}")
     bad = [n for n, f in result["nodes"].items() if f.get("exit") != 0]
     if bad or not result["hashes_agree"]:
