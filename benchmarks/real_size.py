@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "support")]
 
-from prime_testkit.children import Children, wait_until  # noqa: E402
+from prime_testkit.children import Children, descendants, wait_until  # noqa: E402
 from prime_testkit.cli_node import cli_node  # noqa: E402
 from prime_testkit.runs import folder_metrics, outer_rows  # noqa: E402
 
@@ -162,21 +162,6 @@ def spill_seconds(numel: int) -> float:
     return best
 
 
-def _tree(pid: int) -> list[int]:
-    """`pid` and its descendants (from /proc/PID/task/*/children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-    return out
-
-
 def _status(pid: int) -> dict[str, int]:
     """The FIELDS of /proc/PID/status, in bytes (empty once the process is gone)."""
     try:
@@ -222,7 +207,7 @@ class Sampler(threading.Thread):
         while not self._halt.wait(0.2):
             tick += 1
             for name, (pid, folder) in list(self.nodes.items()):
-                peak, st = self.peak[name], [_status(p) for p in _tree(pid)]
+                peak, st = self.peak[name], [_status(p) for p in descendants(pid)]
                 anon = sum(s.get("RssAnon", 0) for s in st)
                 staging = sum(s.get("RssFile", 0) + s.get("RssShmem", 0) for s in st)
                 peak["anon"], peak["staging"] = (

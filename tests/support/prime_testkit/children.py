@@ -133,22 +133,18 @@ def wait_until(
     raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
 
 
-def _descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (from /proc's parent links)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc/PID/task/*/children)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        todo += parents.get(p, [])
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
     return out
 
 
@@ -161,7 +157,7 @@ def wait_exit(p: subprocess.Popen, timeout: float, log: str | os.PathLike | None
     except subprocess.TimeoutExpired:
         pass
     alive = []
-    for pid in _descendants(p.pid):
+    for pid in descendants(p.pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")

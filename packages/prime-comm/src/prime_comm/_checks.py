@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from prime_comm import _kernels
+
 
 def tensor_problem(x: object, what: str = "tensor") -> Exception | None:
     """Why `x` is not a contiguous float32 CPU tensor (an exception to raise), or None."""
@@ -61,3 +63,12 @@ def residual_problem(residual: object, tensor: torch.Tensor) -> Exception | None
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + 4 * b.numel() and b0 < a0 + 4 * a.numel()
+
+
+def check_bits(bits: object) -> int:
+    """`bits` when it is a supported code width (8, 4 or 2); TypeError or ValueError else."""
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"bits must be an int (8, 4 or 2), got {type(bits).__name__}")
+    if bits not in _kernels.BITS:
+        raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
+    return bits

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from prime_comm import _kernels
-from prime_comm._checks import check_float_tensor
-from prime_comm.quant import _check_bits
+from prime_comm._checks import check_bits, check_float_tensor
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class EncodedResult:
         return sum(self.pieces)
 
     def __post_init__(self) -> None:
-        _check_bits(self.bits)
+        check_bits(self.bits)
         if any(not isinstance(n, int) or n <= 0 for n in self.pieces):
             raise ValueError("every piece must hold a positive number of elements")
         d = self.data

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from prime_comm import _kernels
-from prime_comm._checks import check_float_tensor
+from prime_comm._checks import check_bits, check_float_tensor
 
 BLOCK: int = _kernels.BLOCK
 LEVELS: int = _kernels.LEVELS  # of the default 8-bit codebook; 2**bits in general
@@ -30,20 +30,12 @@ BITS: tuple[int, ...] = tuple(_kernels.BITS)  # the supported code widths: 8, 4,
 _POOLED_BYTES = 1 << 20
 
 
-def _check_bits(bits: object) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"bits must be an int (8, 4 or 2), got {type(bits).__name__}")
-    if bits not in BITS:
-        raise ValueError(f"bits must be 8, 4 or 2, got {bits}")
-    return bits
-
-
 def encoded_nbytes(numel: int, bits: int = 8) -> int:
     """Bytes of the encoding of `numel` floats at `bits` per code (codebooks plus codes):
     `ceil(numel / BLOCK) * 4 * 2**bits + ceil(numel * bits / 8)`."""
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
-    return _kernels.encoded_bytes(numel, _check_bits(bits))
+    return _kernels.encoded_bytes(numel, check_bits(bits))
 
 
 @dataclass(frozen=True)
@@ -127,7 +119,7 @@ def quantize(x: torch.Tensor, out: torch.Tensor | None = None, *, bits: int = 8)
     check_float_tensor(x, "x")
     if isinstance(out, int) and not isinstance(out, bool):
         raise TypeError(f"out must be a uint8 tensor or None, got {out}; pass bits={out}")
-    bits = _check_bits(bits)
+    bits = check_bits(bits)
     nbytes = _kernels.encoded_bytes(x.numel(), bits)
     if out is None:
         out = _new_tensor(nbytes, torch.uint8)
@@ -163,7 +155,7 @@ def _decode_target(q: QuantizedTensor, out: torch.Tensor | None) -> torch.Tensor
         raise TypeError(f"q.shape must be a sequence of ints, got {q.shape!r}") from e
     if any(s < 0 for s in shape):
         raise ValueError(f"q.shape must not hold negative sizes, got {tuple(shape)}")
-    bits = _check_bits(q.bits)
+    bits = check_bits(q.bits)
     _check_encoded(q.data, _kernels.encoded_bytes(q.numel, bits), "q.data")
     if out is None:
         return _new_tensor(4 * q.numel, torch.float32).view(shape)

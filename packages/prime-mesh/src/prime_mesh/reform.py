@@ -4,11 +4,11 @@ When the coordinator dies, the nodes keep training and, at their next sync point
 to the same address (`prime_mesh.reconnect`). Each registers with a `resume` record: the epoch
 it was in, that epoch's members in rank order (but those a newer epoch the lost coordinator
 pushed to it left out: they left or were evicted, and are not waited for), and its outer step
-and outer weight hash (told by the trainer through `ElasticDeviceMesh.note_outer_step`). A coordinator that has formed no
-epoch yet collects them until every member of the newest reported epoch is back (or
-`reform_wait` seconds pass since the first one), then adopts the nodes at the newest outer step
-whose hash agrees with the first of them in the old rank order, keeps that order, and numbers
-its epoch above the highest one reported (nodes ignore epochs not newer than theirs). The
+and outer weight hash (told by the trainer through `ElasticDeviceMesh.note_outer_step`). A
+coordinator that has formed no epoch yet collects them until every member of the newest
+reported epoch is back (or `reform_wait` seconds pass since the first one), then adopts the
+nodes at the newest outer step whose hash agrees with the first of them in the old rank order,
+keeps that order, and numbers its epoch above the highest one reported (nodes ignore epochs not newer than theirs). The
 others are evicted with a reason that tells them to rejoin through live recovery. `min_nodes`
 is not applied: it only gates the first formation of a run.
 """

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prime_ckpt import CheckpointFailure, CheckpointManager, SaveHandle, is_dtensor
+from prime_ckpt import CheckpointFailure, CheckpointManager, SaveHandle
 from prime_train.rundir import RunDirError
 
 
@@ -24,49 +24,6 @@ def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, d
         # e.g. FSDP2 left parameters gathered after a forward without backward
         raise RuntimeError(f"parameters without optimizer state: {missing[:3]}; reshard first")
     return {name: opt.state[p] for name, p in model.named_parameters()}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
-
-
-@torch.no_grad()
-def snapshot_optimizer(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    into: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """A copy, in host memory, of the optimizer's per-parameter state (this rank's shards).
-    `into`: an earlier snapshot whose tensors are overwritten in place where they fit (no
-    second copy of the moments while the new one is taken)."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, state in optimizer_state(model, opt).items():
-        old = (into or {}).get(name, {})
-        out[name] = {k: _copy_into(old.get(k), v) for k, v in state.items()}
-    return out
-
-
-def _copy_into(old: Any, v: Any) -> Any:
-    """A host copy of `v`, written into `old` when it is a tensor of the same kind."""
-    if not torch.is_tensor(v):
-        return v
-    v = _local(v).detach()
-    if torch.is_tensor(old) and old.shape == v.shape and old.dtype == v.dtype:
-        return old.copy_(v)
-    return v.to("cpu", copy=True)
-
-
-@torch.no_grad()
-def restore_optimizer(
-    model: nn.Module, opt: torch.optim.Optimizer, snapshot: dict[str, dict[str, Any]]
-) -> None:
-    """Put a `snapshot_optimizer` copy back into the optimizer's live state, in place."""
-    for name, state in optimizer_state(model, opt).items():
-        for k, v in snapshot[name].items():
-            if torch.is_tensor(v):
-                _local(state[k]).copy_(v)
-            else:
-                state[k] = v
 
 
 def train_state(
