@@ -62,22 +62,35 @@ def test_a_member_leaving_without_completing_does_not_mark_the_run_complete():
     assert not b.joining and m.members == ["b"]
 
 
-def test_a_joiner_left_waiting_when_every_member_left_is_no_founder():
-    """Every member left while a node waited to join (churn seed 5); two of them register
-    again: they form the run and the joiner, which holds no state to found one with, is
-    admitted at their first sync point. It counts towards min_nodes."""
+def test_nodes_joining_a_run_whose_every_member_left_are_told_to_register_again():
+    """Every member left while nodes waited to join (churn seeds 5 and 21): nobody is left to
+    hand them the run's state, so each is evicted, told why, and registering again makes it
+    a founder; the run forms anew once `min_nodes` founders are back (the trainer then
+    resumes from the newest state any of them holds)."""
     m = Membership(min_nodes=3)
     nodes = {k: _register(m, k, lws=1) for k in "abc"}
     assert m.epoch == 1
-    joiner, _ = _register(m, "j", lws=1)  # the run has members: it joins
-    m.ready(joiner, 0)
-    for key in "abc":
-        m.leave(nodes[key][0], completed=False)
-    assert not m.members and joiner.joining
-    a2, ca = _register(m, "a2", lws=1)  # the run has no member: founders
-    assert not m.members, "one founder and one joiner: below min_nodes"
-    b2, cb = _register(m, "b2", lws=1)
-    assert m.members == ["a2", "b2"], "formed by the founders alone"
-    for node, conn in ((a2, ca), (b2, cb)):
-        m.sync(node, 0, conn, 1, {"epoch": m.epoch, "admit": True})
-    assert m.members == ["a2", "b2", "j"], "admitted at their first sync point"
+    joiners = {k: _register(m, k, lws=1) for k in ("j", "k")}  # the run has members: joiners
+    m.ready(joiners["j"][0], 0)  # one is ready (queued), the other still fetching (waiting)
+    assert joiners["j"][0].joining and joiners["k"][0].joining
+    m.leave(nodes["a"][0], completed=False)
+    m.leave(nodes["b"][0], completed=False)
+    assert set(m.nodes) == {"c", "j", "k"}, "members are left: the joiners stay"
+    m.leave(nodes["c"][0], completed=False)
+    assert not m.members and not m.nodes, "nobody to join: both joiners evicted"
+    for key, (_, conn) in joiners.items():
+        told = [x for x in conn.sent if x.get("type") == "evicted"]
+        assert len(told) == 1 and "no members left" in told[0]["reason"], (key, conn.sent)
+    a2, _ = _register(m, "a2", lws=1)
+    j2, _ = _register(m, "j2", lws=1)  # registering again: the run has no member, a founder
+    assert not j2.joining and not m.members, "two founders: below min_nodes"
+    k2, _ = _register(m, "k2", lws=1)
+    assert not k2.joining and m.members == ["a2", "j2", "k2"], "formed by all three"
+
+
+def test_a_completed_run_tells_its_joiners_so_rather_than_to_register_again():
+    m = Membership(min_nodes=1)
+    a, _ = _register(m, "a", lws=1)
+    j, cj = _register(m, "j", lws=1)
+    m.leave(a, completed=True)
+    assert "j" in m.nodes and not [x for x in cj.sent if x.get("type") == "evicted"]

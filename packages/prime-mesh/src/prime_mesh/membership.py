@@ -13,7 +13,9 @@ A node's states (`status()` shows them):
     waiting:     all registered and heartbeating, but not every local rank has said it is
                  ready (a joiner still fetching a checkpoint): never admitted, never waited for;
     joining:     ready; admitted at the members' next sync point, in the order nodes became
-                 ready (or forms the first epoch once `min_nodes` nodes are joining);
+                 ready (or forms the first epoch once `min_nodes` nodes are joining). A node
+                 registered to join a running run (`ready: "auto"`) whose every member then
+                 left is evicted, told to register again: it is a founder then;
     member:      in the current epoch.
 A local rank is ready at registration unless it registered with `ready: False`; it says so
 later with a `ready` message. A node that dies before it is a member changes no epoch.
@@ -45,6 +47,11 @@ from prime_mesh.round_requests import Ballot, RoundRequests, Slot, outer_of, rep
 
 log = logging.getLogger("prime_mesh.coordinator")
 _HELD: Slot = ("", -1)  # a slot no node sends: a vote waits while departures are batched
+# the eviction of a node joining a run whose every member left (a client may look for it)
+ORPHANED = (
+    'the run it was joining has no members left; register again (ready "auto"): the nodes '
+    "that come back form it anew"
+)
 
 
 class Membership(MembershipViews):
@@ -362,11 +369,16 @@ class Membership(MembershipViews):
             return
         self._reform_since = None  # the reconnected nodes are gone again
         if self.completed is not None and any(
-            self.nodes[k].metadata.get("config_hash") == self.completed for k in self.joiners
+            n.metadata.get("config_hash") == self.completed for n in self.nodes.values()
         ):
             return  # nodes of the completed run: nothing left to train (they are told so)
-        # a node registered to join a running run holds no state to found one: the others form
-        # it and admit it at their first sync point (it counts towards min_nodes)
+        # nodes registered to join a run that has lost every member: nobody is left to hand
+        # them its state, so they register again (as founders: the run has no members) and
+        # the run forms anew from the newest state any of them holds
+        orphans = [n for n in self.nodes.values() if n.joining]
+        if orphans:
+            self.evict_all(orphans, ORPHANED)
+            return
         founders = [k for k in self.joiners if not self.nodes[k].joining]
         if founders and len(self.joiners) >= self.min_nodes:
             ids = ", ".join(self.nodes[k].node_id for k in founders)

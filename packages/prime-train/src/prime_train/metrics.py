@@ -91,8 +91,12 @@ class Metrics:
         self.sinks: list[MetricsSink] = []
 
     def open(self, resume_step: int) -> None:
+        """Keep the rows up to `resume_step` (again: a node that found the run anew goes back
+        to its checkpoint), and append from there."""
         if self.path is None:
             return
+        if self._f is not None:
+            self._f.close()
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
         if self.path.exists():
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))

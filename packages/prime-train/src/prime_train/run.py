@@ -200,9 +200,10 @@ class Run:
         self.ckpt.save(step, self.state(outer))
 
     def resume(self, outer: OuterStep | None) -> int:
-        """Load the newest checkpoint in place; returns its step (0 for a fresh run). With an
-        outer step, the step is the one it agrees on (the newest any node holds); a node that
-        lacks it gets LacksNewestStep and, like a node joining a running job, loads the
+        """Load the newest checkpoint in place, share out the data slots among the members
+        and open the metrics from there; returns its step (0 for a fresh run). With an outer
+        step, the step is the one the founders agree on (the newest any node holds); a node
+        that lacks it gets LacksNewestStep and, like a node joining a running job, loads the
         members' state instead (`diloco/join.py`)."""
         state = self.state(outer)
         if outer is None:
@@ -213,7 +214,18 @@ class Run:
                 self.ckpt.load(step, state)
                 outer.load_state_dict(state["diloco"])
         self._restore(step, state)
-        return step or 0
+        start = step or 0
+        membership = self.placement.membership  # (a node alone reads every slot)
+        self.loader.reassign(
+            membership.mesh.global_members if membership else [self.placement.node.name]
+        )
+        if start:
+            self.log.info(f"resumed from the step-{start} checkpoint in {self.ckpt_dir}")
+        if start >= self.cfg.train.steps:
+            self.log.info(f"the run is already complete ({start}/{self.cfg.train.steps} "
+                          "steps); nothing to do")  # fmt: skip
+        self.metrics.open(start)
+        return start
 
     def load(self, step: int, outer: OuterStep) -> None:
         """Load this node's checkpoint of `step` in place (a joiner's, fetched from a member)

@@ -170,7 +170,7 @@ def replay_log(run: Run) -> ReplayLog | None:
 
 
 def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
-    """Where the loop starts: the newest checkpoint any founding node holds (`resume`), or,
+    """Where the loop starts: the newest checkpoint any founding node holds (`Run.resume`), or,
     for a node joining a running job (or a founder that lacks that step), the members' state
     and its first round with them (see `diloco/join.py`). Returns the inner step the loop
     continues from, and the held-out loss of a fresh run's step 0."""
@@ -182,7 +182,7 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
         start = _join(run, outer)
     else:
         try:
-            start = resume(run, outer)
+            start = run.resume(outer)
         except LacksNewestStep as e:  # the holders found the run; this node joins it
             assert isinstance(outer, ElasticOuterStep)  # (only a mesh node's step raises it)
             run.log.info(f"{e}; leaving the founders to join")
@@ -200,24 +200,6 @@ def _join(run: Run, outer: ElasticOuterStep, lost: BaseException | None = None) 
     # (a joiner keeps every row of an earlier life: all precede where the members are)
     run.metrics.open(run.cfg.train.steps)
     return join_running_job(run, outer, lost=lost)
-
-
-def resume(run: Run, outer: OuterStep | None) -> int:
-    """This node's checkpoint of the step the founders agree on (0: a fresh run), with the
-    data slots shared out among them. LacksNewestStep: this node does not hold it."""
-    cfg, log = run.cfg, run.log
-    membership = run.placement.membership
-    start = run.resume(outer)
-    # the members share out the data slots (slots.py); a node alone reads them all
-    members = membership.mesh.global_members if membership else [run.placement.node.name]
-    run.loader.reassign(members)
-    if start:
-        log.info(f"resumed from the step-{start} checkpoint in {run.ckpt_dir}")
-    if start >= cfg.train.steps:
-        log.info(f"the run is already complete ({start}/{cfg.train.steps} steps); "
-                 "nothing to do")  # fmt: skip
-    run.metrics.open(start)
-    return start
 
 
 def reached(every: int, inner: int, step: int) -> bool:

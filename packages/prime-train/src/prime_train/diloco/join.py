@@ -7,6 +7,9 @@ restarted coordinator and a joiner evicted before it was admitted all go through
 
 1. Register as a joiner (`diloco.membership`; a rerun node is registered by its placement,
    every other case registers again here, `register_again`): the members never wait for it.
+   A run whose every member left has nobody to join: the coordinator sends its joiners away
+   and registering again makes them founders, which resume from the newest checkpoint any
+   of them holds (`Run.resume`; a node lacking it joins the run the holders form).
 2. Say `ready()` at once: the members admit it at their next sync point. Meanwhile local
    rank 0 fetches a snapshot (the members' first checkpoint after it said ready, made at the
    boundary that admitted it: `diloco/snapshot.py`) in the background, and holds the
@@ -34,6 +37,7 @@ from prime_train.diloco.join_state import JoinedRow, Joining
 from prime_train.diloco.late_joiner import JoinedLate
 from prime_train.diloco.listen import Listener
 from prime_train.diloco.register_again import register_again
+from prime_train.diloco.resume_agreement import LacksNewestStep
 from prime_train.diloco.snapshot import (
     JOIN_TIMEOUT_S,
     Background,
@@ -41,12 +45,15 @@ from prime_train.diloco.snapshot import (
     fetch_rate,
     shared_tensors,
 )
+from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
+    from prime_train.diloco.membership import Membership
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep, OuterStepReport
 
 MAX_TRIES = 10  # tries that lost their place (then joining again) before giving up
+FORM_AGAIN_S = 10.0  # a founder holding nothing, among founders holding nothing, waits so long
 LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
 LOST = (MeshEvicted, CoordinatorLost, JoinedLate)  # a try lost its place: join again
 
@@ -63,8 +70,16 @@ def join_running_job(
     row = JoinedRow(rejoined=rejoined)
     started = time.monotonic()
     for tries in range(1, MAX_TRIES + 2):
-        if lost is not None:
-            _register_again(run, outer, lost)
+        # (registered again as a founder: the run had no members left)
+        if lost is not None and not _register_again(run, outer, lost).joining:
+            try:
+                return _form_anew(run, outer, lost)
+            except (LacksNewestStep, NothingToFormFrom) as e:  # join the holders, or wait
+                if tries > MAX_TRIES:
+                    raise
+                run.log.info(f"{e}; registering again")
+                lost = e
+                continue
         joining = Joining(row, started)
         listener = Listener(run, outer, joining)
         try:
@@ -88,8 +103,9 @@ def join_running_job(
     raise AssertionError("unreachable")
 
 
-def _register_again(run: Run, outer: ElasticOuterStep, lost: BaseException) -> None:
-    """Leave what is left of the old membership and register as a joiner (waiting)."""
+def _register_again(run: Run, outer: ElasticOuterStep, lost: BaseException) -> Membership:
+    """Leave what is left of the old membership and register again (a joiner, waiting; or a
+    founder of a run that has no members left)."""
     membership = run.placement.membership
     assert membership is not None
     try:
@@ -104,6 +120,38 @@ def _register_again(run: Run, outer: ElasticOuterStep, lost: BaseException) -> N
         f"registered again as {membership.mesh.node_id} after {time.monotonic() - t0:.1f} s "
         f"({membership.members_seen} member(s))"
     )
+    return membership
+
+
+class NothingToFormFrom(RunDirError):
+    """The nodes forming a run anew, after every member left, hold no checkpoint: the run's
+    state left with its members, and starting it over would throw it away."""
+
+
+def _form_anew(run: Run, outer: ElasticOuterStep, lost: BaseException) -> int:
+    """Registered again into a run with no members left: this node is one of the nodes
+    forming it anew, resuming from the newest checkpoint any of them holds (`Run.resume`;
+    LacksNewestStep where this node lacks it). Where none holds one, it leaves again and
+    waits a while (`NothingToFormFrom`) for nodes that come back with the run's state, rather
+    than start the run over."""
+    run.log.warn(
+        f"the run has no members left ({type(lost).__name__}: {lost}); this node is one of "
+        "the nodes forming it anew, from the newest checkpoint any of them holds"
+    )
+    start = run.resume(outer)
+    if start > 0:
+        return start
+    membership = run.placement.membership
+    assert membership is not None
+    membership.close()  # (before the pause: a node coming back with state founds, not joins)
+    error = NothingToFormFrom(
+        "the run this node was joining lost every member, and no node forming it anew holds "
+        "a checkpoint: its state left with its members. Start the nodes that hold its "
+        "checkpoints again (this node then joins them), or move every node's checkpoints "
+        "aside to start the run over"
+    )
+    time.sleep(FORM_AGAIN_S)
+    raise error
 
 
 def _end(outer: ElasticOuterStep, joining: Joining, listener: Listener, again: bool) -> None:

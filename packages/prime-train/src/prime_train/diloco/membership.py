@@ -52,18 +52,15 @@ class Membership:
         ckpt_dir: Path,
         serve: bool,
         warn,
-        live_members: int | None = None,
         *,
         name: str,
         launcher_index: int | None = None,
     ) -> Membership:
         """Serve `ckpt_dir` to joining peers (if `serve`: local rank 0), then join the mesh
         under `name`, advertising the config hash and the server's URL. Both bind the same
-        address (`node_address`). With live members (counted here unless `live_members` is
-        given: a node registering again, which knows it joins), the node registers waiting
-        (`wait_until_ready=True`): nobody waits for it while it fetches their state. Without
-        `live_members` the coordinator decides founder or joiner, atomically at registration
-        (`wait_until_ready="auto"`)."""
+        address (`node_address`). The coordinator decides founder or joiner, atomically at
+        registration (`wait_until_ready="auto"`): a joiner registers waiting, and nobody
+        waits for it while it fetches the members' state."""
         from prime_mesh import ElasticDeviceMesh
 
         token = cfg.mesh.token.get_secret_value() if cfg.mesh.token else None
@@ -86,16 +83,15 @@ class Membership:
                 heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
                 coordinator_grace_s=cfg.mesh.coordinator_grace_s,
                 sync_timeout=cfg.diloco.sync_timeout_s or None,  # 0: the coordinator's auto
-                wait_until_ready="auto" if live_members is None else live_members > 0,
+                wait_until_ready="auto",
             )
         except BaseException:
             if server is not None:
                 server.close()
             raise
-        joining = mesh.joining if live_members is None else live_members > 0
-        if live_members is None:
-            live_members = _members_now(mesh) if joining else 0
-        return cls(mesh, server, joining=joining, members_seen=live_members, token=token)
+        joining = mesh.joining
+        seen = _members_now(mesh) if joining else 0
+        return cls(mesh, server, joining=joining, members_seen=seen, token=token)
 
     def donors(self) -> list[tuple[str, str]]:
         """(node_id, serve_url) of every other member that serves its checkpoints, in rank
@@ -168,18 +164,6 @@ def _members_now(mesh: ElasticDeviceMesh) -> int:
         return sum(1 for m in mesh.members() if m.get("state") == "member")
     except Exception:
         return 0
-
-
-def count_live_members(coordinator: str, token: str | None) -> int:
-    """How many members the running job has now (0: it is forming or resuming; or the
-    coordinator cannot say, and joining it will report why)."""
-    from prime_mesh import query_status
-
-    try:
-        nodes = query_status(coordinator, token=token)["nodes"]
-    except Exception:
-        return 0
-    return sum(1 for n in nodes if n.get("state") == "member")
 
 
 def node_address(cfg: Config) -> str:

@@ -7,10 +7,11 @@ call at an outer boundary raises `MeshEvicted` (the coordinator told it) or `Coo
 the loop's outer boundary (`outer_boundary.py`) takes the path a restarted node takes
 (`prime_train.diloco.join`):
 
-1. It closes its old membership (mesh and checkpoint server) and waits, up to
-   `diloco.rejoin_wait_s`, until the coordinator answers and the run has live members.
-2. It joins as any node does (`diloco/join.py`): registers again, listens while a snapshot
-   of the members comes, and enters with their weights, bit for bit.
+1. It closes its old membership (mesh and checkpoint server) and registers again, trying
+   for up to `diloco.rejoin_wait_s` until the coordinator takes it.
+2. It joins as any node does (`diloco/join.py`): listens while a snapshot of the members
+   comes, and enters with their weights, bit for bit (or, when the run has no members left,
+   forms it anew with the nodes that come back, from the newest checkpoint any holds).
 
 It does so at most `diloco.max_rejoins` times in one run; one more loss exits 1 with a line
 that says so (`RejoinsExhausted`). A node *left out* of a round (late at the sync point past
