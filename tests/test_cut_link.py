@@ -28,7 +28,7 @@ NODES = 3
 COORD = NODES  # the bed's last namespace holds the coordinator
 PORT = 29500
 # streaming outer steps (issue #26): two fragments, a sync every H/2 steps; the rejoiner enters
-# the fragment cycle where the members are (plain rounds: test_diloco_join, test_stuck_node)
+# the fragment cycle where the members are (plain rounds: test_join_ranks, test_stuck_node)
 FRAGMENTS = ("--diloco.fragments", "2")
 
 

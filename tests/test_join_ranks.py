@@ -15,6 +15,7 @@ from prime_testkit import folder_metrics, log_tails, outer_by_step, start_ranked
 TOKEN = "join-ranks-test-token"
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": 10,
         "args": ["--data.seq_len", "64", "--train.batch_size", "4", "--mesh.serve_mbit", "4"]}  # fmt: skip
+DELAYED = ("--diloco.overlap", "delayed")
 
 
 @pytest.mark.slow
@@ -70,11 +71,12 @@ def test_a_stalled_node_of_two_ranks_is_evicted_and_rejoins_by_itself(
     """Both ranks of a two-rank node SIGSTOPped past the heartbeat timeout, then SIGCONTed:
     evicted, the node rejoins by itself (the same processes), each rank listening with its
     shard and catching up, and contributes again with every shard's hash equal to the
-    member's. 44-60 s on 2 cores (it listened 25 rounds while its 8.7 MB snapshot came)."""
+    member's. With `overlap = "delayed"`: the stalled node's round in flight crosses the loss
+    (a synchronous run's stall and rejoin: tests/test_data_slots.py). 44-60 s on 2 cores."""
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     n0, n1 = tmp_path / "node0", tmp_path / "node1"
     try:
-        nodes = _start_two_ranked_nodes(children, coord, token_cache, (n0, n1))
+        nodes = _start_two_ranked_nodes(children, coord, token_cache, (n0, n1), DELAYED)
         everyone = [p for ranks in nodes for p in ranks]
 
         def both_at(step: int) -> bool:
@@ -124,14 +126,19 @@ def test_a_stalled_node_of_two_ranks_is_evicted_and_rejoins_by_itself(
         assert len(mine[k]["shard_sha256"]) == 2, mine[k]
         assert mine[k]["shard_sha256"] == theirs[k]["shard_sha256"], (k, log_tails(tmp_path))
         assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
+    # it re-entered after the rounds it missed, not in their place, contributing nothing then
+    entry = min(k for k, r in mine.items() if r["step"] >= rejoined[0]["step"])
+    assert entry > max(went_alone), (entry, went_alone)
+    assert theirs[entry]["nodes"] == 2 and theirs[entry]["contributors"] == 1, theirs[entry]
 
 
-def _start_two_ranked_nodes(children, coord, token_cache, folders) -> list[list]:
-    """Each folder's node of two ranks, started in turn (each registered before the next), so
-    that the nodes' order in the run is the folders'."""
+def _start_two_ranked_nodes(children, coord, token_cache, folders, args=()) -> list[list]:
+    """Each folder's node of two ranks (`args` added to NODE's), started in turn (each
+    registered before the next), so that the nodes' order in the run is the folders'."""
     nodes = []
+    node = {**NODE, "args": [*NODE["args"], *args]}
     for k, folder in enumerate(folders):
         nodes.append(start_ranked_node(children, folder, 2, coordinator=coord.address,
-                                       cache=token_cache, **NODE))  # fmt: skip
+                                       cache=token_cache, **node))  # fmt: skip
         wait_until(lambda n=k: len(coord.status()["nodes"]) > n, 120, what=f"node {k} registers")  # fmt: skip
     return nodes
