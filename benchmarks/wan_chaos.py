@@ -47,7 +47,24 @@ def say(job: Job | None, msg: str) -> None:
     print(f"[{t:7.1f}s] {msg}", flush=True)
 
 
+SOLE_HOLDER_WAIT_S = 60.0  # the longest a leaving event waits for its node not to hold alone
+LEAVING = ("kill", "term", "stall")
+
+
 def due(e: schedule.Event, job: Job, last_event: float) -> bool:
+    """Whether `e` is due. A node leaving (killed, stopped, stalled) waits, up to
+    `SOLE_HOLDER_WAIT_S` past its time, while it is the only contributor of the newest outer
+    step: a fault hook's eviction may leave a member alone, and a run whose every holder of
+    the state is gone can only go back to its newest checkpoint (a schedule keeps one settled
+    member up; see benchmarks/churn.py's `draw`)."""
+    if not _time_of(e, job, last_event):
+        return False
+    if e.kind not in LEAVING or not job.holds_alone(e.node):
+        return True
+    return time.time() - last_event > SOLE_HOLDER_WAIT_S
+
+
+def _time_of(e: schedule.Event, job: Job, last_event: float) -> bool:
     if e.when == "o":
         return job.frontier() >= e.at
     if e.when == "+":

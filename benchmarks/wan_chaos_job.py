@@ -232,6 +232,11 @@ class Job:
     def frontier(self) -> int:
         return max((r["outer_step"] for r in self.outer_rows()), default=0)
 
+    def holds_alone(self, k: int | None) -> bool:
+        """Whether node `k` wrote the newest outer step's row while it had one contributor."""
+        rows = [r for r in self.outer_rows() if r["outer_step"] == self.frontier()]
+        return any(r["node"] == k for r in rows) and min(r["contributors"] for r in rows) == 1
+
     def members(self) -> int:
         rows = self.outer_rows()
         return rows[-1]["nodes"] if rows else 0

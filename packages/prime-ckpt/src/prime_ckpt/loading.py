@@ -1,5 +1,5 @@
-"""The loading half of CheckpointManager: which copies exist, and loading the newest that
-verifies on every rank (RAM, then disk, then remote)."""
+"""The loading half of CheckpointManager: which copies exist (`list`), and loading the newest
+that verifies on every rank (RAM, then disk, then remote)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ from prime_ckpt.errors import (
 )
 from prime_ckpt.manifest import committed_steps, step_dirname
 from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
-from prime_ckpt.records import TIERS
-from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, bounded
+from prime_ckpt.records import TIERS, CheckpointInfo, checkpoint_info
+from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, bounded, remote_listing
 from prime_ckpt.remote_load import open_remote, settle_remote
-from prime_ckpt.writer import TMP_PREFIX
+from prime_ckpt.writer import TMP_PREFIX, disk_steps
 
 
 class Loading:
     """Mixed into CheckpointManager, whose attributes it reads (`_stager`, `disk_dir`,
-    `_remote`, `group`, `rank`, `world`, `_nonce`)."""
+    `_remote`, `_uploader`, `_failures`, `_lock`, `group`, `rank`, `world`, `_nonce`) and
+    whose `wait_staged()` it calls."""
 
     def _copies(self, step: int) -> list[tuple[str, Path]]:
         out = [("ram", self._stager.slots[i]) for s, i in self._stager.committed() if s == step]
@@ -111,6 +112,7 @@ class Loading:
         Returns its step, or None when there is none. Corrupt copies are skipped with a
         warning. Raises StateMismatch naming missing/unexpected keys, shapes or dtypes.
         """
+        self.wait_staged()  # (the load writes the tensors a background staging may read)
         bound = 2**62
         while True:
             mine = max((s for s in self.committed_steps() if s < bound), default=-1)
@@ -130,6 +132,7 @@ class Loading:
 
     def load(self, step: int, state: dict, strict: bool = True) -> int:
         """Load one step in place; CheckpointError if it is missing or fails verification."""
+        self.wait_staged()
         code, result = self._plan(step, state, strict)
         agreed = False
         try:
@@ -142,3 +145,28 @@ class Loading:
             return step
         finally:
             self._finish(result, agreed)
+
+    def list(self, verify: bool = False) -> list[CheckpointInfo]:
+        """Every copy of every checkpoint (newest first), and background failures."""
+        out = []
+        for s, i in self._stager.committed():
+            out.append(checkpoint_info(s, "ram", self._stager.slots[i], verify))
+        for s, m in disk_steps(self.disk_dir):
+            out.append(checkpoint_info(s, "disk", self.disk_dir / step_dirname(s), verify, m))
+        with self._lock:
+            failures = dict(self._failures)
+        for s, msg in failures.items():
+            out.append(CheckpointInfo(s, "disk", None, 0, "failed", False, msg))
+        if self._remote is not None:
+            steps = self._remote_steps()
+            try:
+                out += bounded(
+                    lambda: remote_listing(self._remote, steps, self._uploader),
+                    REMOTE_LIST_TIMEOUT_S,
+                    f"reading the manifests of {self._remote.url}",
+                )
+            except Exception as e:  # as an unreachable remote's listing: warned, left out
+                warnings.warn(
+                    f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=2
+                )
+        return sorted(out, key=lambda c: (-c.step, c.tier != "ram"))

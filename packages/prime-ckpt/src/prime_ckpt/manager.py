@@ -16,9 +16,15 @@ from prime_ckpt.failures import CheckpointFailure, Failures
 from prime_ckpt.faults import fault
 from prime_ckpt.loading import Loading
 from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
-from prime_ckpt.records import CheckpointInfo, SaveHandle, checkpoint_info, parse_keep
-from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, RemoteStore, Uploader, bounded, remote_listing
-from prime_ckpt.staging import DirectWriter, ram_tier
+from prime_ckpt.records import SaveHandle, parse_keep
+from prime_ckpt.remote import RemoteStore, Uploader
+from prime_ckpt.staging import (
+    DirectWriter,
+    PendingStage,
+    StagingFailed,
+    ram_tier,
+    staging_failure,
+)
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
 from prime_ckpt.writer import (
     DISK_TIMEOUT_S,
@@ -116,12 +122,22 @@ class CheckpointManager(Loading):
 
     # ---- saving -------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict, metadata: Mapping[str, Any] | None = None) -> SaveHandle:
+    def save(
+        self,
+        step: int,
+        state: dict,
+        metadata: Mapping[str, Any] | None = None,
+        stage_in_background: bool = False,
+    ) -> SaveHandle:
         """Stage `state` in RAM and return; the disk copy is written in the background.
 
         Waits first if the previous save is still being written to disk. `metadata` (plain
         values) is stored in the manifest. Raises TypeError naming the key of an unsupported
         value; a failed earlier background save is reported here as a CheckpointWarning.
+        `stage_in_background`: the copy into RAM is made by the background thread too, and
+        `save()` returns at once (its plain values are taken now): the caller must not change
+        the state's tensors until `wait_staged()` returns (a load waits for it by itself).
+        Then a failed staging is a failed save (logged, counted), not an exception.
         """
         if self._closed:
             raise CheckpointError("save() on a closed CheckpointManager")
@@ -141,22 +157,30 @@ class CheckpointManager(Loading):
             handle.finish()
             return handle
         self._report_warnings()
+        slot: int | PendingStage | None = None
         if isinstance(self._stager, DirectWriter):
             if not self._write_direct(handle, items, total, meta):
                 return handle
-            slot = None
+        elif stage_in_background:
+            slot = PendingStage(items, total, meta)
         else:
             try:
                 slot = self._stager.stage(step, items, total, meta)
             except OSError as e:
-                raise CheckpointError(
-                    f"staging step {step} in {self.shm_dir} failed: {e}; older checkpoints are "
-                    "intact (free space in /dev/shm, pass shm_dir= on a larger filesystem or "
-                    "ram='disk')"
-                ) from None
+                raise CheckpointError(staging_failure(step, self.shm_dir, e)) from None
+        if not isinstance(slot, PendingStage):
+            handle.mark_staged()
         self._inflight = handle
         self._jobs.put((handle, slot, dict(metadata or {})))
         return handle
+
+    def wait_staged(self) -> None:
+        """Block until the last save is done with the state's tensors (see `save`'s
+        `stage_in_background`). Bounded by `disk_timeout`: past it that save is given up on
+        (reported failed; it will not be committed) and this returns."""
+        handle = self._inflight
+        if handle is not None and not handle.staged(self.disk_timeout):
+            self._expire(handle)
 
     def _write_direct(self, handle: SaveHandle, items: list, total: int, meta: bytes) -> bool:
         """`ram="off"`: the files go straight into the disk tier's temporary folder. A failure
@@ -197,13 +221,15 @@ class CheckpointManager(Loading):
 
     def _record(self, handle: SaveHandle, msg: str) -> None:
         """A failed save: its handle fails (unless it has ended already), and the failure is
-        listed, logged and counted once."""
-        if not handle.fail(msg):
+        listed, logged and counted once, before a wait on the handle returns."""
+
+        def count() -> None:
+            with self._lock:
+                self._failures[handle.step] = msg
+            self._errors.add(handle.step, "disk", msg)
+
+        if not handle.fail(msg, count):
             log.info("prime-ckpt: %s", msg)
-            return
-        with self._lock:
-            self._failures[handle.step] = msg
-        self._errors.add(handle.step, "disk", msg)
 
     def _disk_failure(self, step: int, e: Exception) -> str:
         msg = f"checkpoint step {step} was not saved to disk: {e}"
@@ -244,9 +270,9 @@ class CheckpointManager(Loading):
                 return
             handle, slot, user = job
             try:
-                self._write(handle.step, slot, user)
+                self._write(handle, slot, user)
             except Exception as e:  # the thread must survive anything: report, keep running
-                msg = self._disk_failure(handle.step, e)
+                msg = str(e) if isinstance(e, StagingFailed) else self._disk_failure(handle.step, e)
                 try:
                     self._committer.abort(handle.step, msg)
                 except Exception:
@@ -255,7 +281,18 @@ class CheckpointManager(Loading):
             finally:
                 handle.finish()
 
-    def _write(self, step: int, slot: int | None, user: dict) -> None:
+    def _write(self, handle: SaveHandle, slot: int | PendingStage | None, user: dict) -> None:
+        step = handle.step
+        if isinstance(slot, PendingStage):  # save()'s copy into RAM, made here
+            try:
+                slot = self._stager.stage(step, slot.items, slot.total, slot.meta)
+            except OSError as e:
+                raise StagingFailed(staging_failure(step, self.shm_dir, e)) from None
+            finally:
+                handle.mark_staged()
+            if handle.done():  # given up on while it was staged: the tensors may have moved
+                self._stager.invalidate(slot)
+                return
         if slot is None:  # ram="off": save() wrote the files; hash, fsync and commit them
             tmp = self._committer.tmp_dir(step)
             names = (data_name(self.rank), meta_name(self.rank))
@@ -307,31 +344,6 @@ class CheckpointManager(Loading):
         return sorted(removed)
 
     # ---- inspection and lifecycle --------------------------------------------------------
-
-    def list(self, verify: bool = False) -> list[CheckpointInfo]:
-        """Every copy of every checkpoint (newest first), and background failures."""
-        out = []
-        for s, i in self._stager.committed():
-            out.append(checkpoint_info(s, "ram", self._stager.slots[i], verify))
-        for s, m in disk_steps(self.disk_dir):
-            out.append(checkpoint_info(s, "disk", self.disk_dir / step_dirname(s), verify, m))
-        with self._lock:
-            failures = dict(self._failures)
-        for s, msg in failures.items():
-            out.append(CheckpointInfo(s, "disk", None, 0, "failed", False, msg))
-        if self._remote is not None:
-            steps = self._remote_steps()
-            try:
-                out += bounded(
-                    lambda: remote_listing(self._remote, steps, self._uploader),
-                    REMOTE_LIST_TIMEOUT_S,
-                    f"reading the manifests of {self._remote.url}",
-                )
-            except Exception as e:  # as an unreachable remote's listing: warned, left out
-                warnings.warn(
-                    f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=2
-                )
-        return sorted(out, key=lambda c: (-c.step, c.tier != "ram"))
 
     def serve(
         self, host: str, port: int = 0, token: str | None = None, advertise_host: str | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ class SaveHandle:
         self.expired = False  # given up on: its write passed the bound
         self._done = threading.Event()  # ended for the caller: committed, failed or expired
         self._ended = threading.Event()  # the writer thread is finished with it
+        self._staged = threading.Event()  # the state's tensors were copied (or never will be)
         self._lock = threading.Lock()
         self._on_report = on_report
         self._bound = bound
@@ -54,21 +55,34 @@ class SaveHandle:
             self._on_expire(self)
         return self._done.is_set()
 
+    def staged(self, timeout: float | None = None) -> bool:
+        """Whether the save is done with the state's tensors (copied into its staging slot, or
+        given up on): from then on the caller may change them. False past `timeout`."""
+        return self._staged.wait(timeout)
+
+    def mark_staged(self) -> None:
+        """The save no longer reads the state's tensors (by the manager)."""
+        self._staged.set()
+
     def finish(self, error: str | None = None) -> None:
         """Mark the save ended (by the manager's writer thread); `error` says why it failed."""
         with self._lock:
             if error is not None and not self._done.is_set():
                 self.error = error
             self._done.set()
+        self._staged.set()
         self._ended.set()
 
-    def fail(self, error: str) -> bool:
-        """Mark the save failed now, before the writer is done with it (a bound passed);
-        False if it had ended already (its outcome stands)."""
+    def fail(self, error: str, counted: Callable[[], None] | None = None) -> bool:
+        """Mark the save failed now, even before the writer is done with it (a bound passed);
+        False if it had ended already (its outcome stands). `counted` runs first, so that a
+        wait on the handle returns with the failure already counted."""
         with self._lock:
             if self._done.is_set():
                 return False
             self.error = error
+            if counted is not None:
+                counted()
             self._done.set()
             return True
 

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +281,24 @@ def _release(shm_dir: Path) -> None:
             continue
     if all(s <= newest for s in held):
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+@dataclass
+class PendingStage:
+    """A save whose copy into RAM the manager's writer thread makes (`stage_in_background`)."""
+
+    items: list
+    total: int
+    meta: bytes
+
+
+class StagingFailed(Exception):
+    """A copy into the RAM tier failed (its message says so in full)."""
+
+
+def staging_failure(step: int, shm_dir: Path | None, e: OSError) -> str:
+    """The line a failed copy of `step` into the RAM tier at `shm_dir` reports."""
+    return (
+        f"staging step {step} in {shm_dir} failed: {e}; older checkpoints are intact (free "
+        "space in /dev/shm, pass shm_dir= on a larger filesystem or ram='disk')"
+    )

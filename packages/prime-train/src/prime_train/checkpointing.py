@@ -6,6 +6,7 @@ progress, RNG) as one nested dict; prime-ckpt owns the format, tiers and integri
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +132,21 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Returns once staged in RAM; disk/remote copies finish in the background."""
+        """Returns at once: the copy into RAM, then to disk and remote, is made in the
+        background; `wait_staged()` before the state's tensors change."""
         if self.last_saved == step:
             return
-        self._last = self.manager.save(step, state, metadata=self.identity)
+        self._last = self.manager.save(
+            step, state, metadata=self.identity, stage_in_background=True
+        )
         self.last_saved = step
+
+    def wait_staged(self) -> float:
+        """Block until the last save copied the state (a load waits by itself); returns the
+        seconds waited."""
+        t0 = time.perf_counter()
+        self.manager.wait_staged()
+        return time.perf_counter() - t0
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         step = self.manager.load_latest(state, strict=True)

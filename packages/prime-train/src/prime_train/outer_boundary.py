@@ -104,6 +104,7 @@ class OuterBoundary:
         """The outer step after inner step `step`; returns the step the loop continues from
         (later than `step` after a rejoin: the members' round the node entered)."""
         report: OuterStepReport | None = None
+        self.run.ckpt.wait_staged()  # the outer step changes what a checkpoint may still copy
         if self.timed:  # the round's nominal end: the run moves by H per committed round
             step = min(self.round_start + self.max_steps, self.run.cfg.train.steps)
         try:

@@ -88,6 +88,7 @@ class Run:
         # the committed record's tensors (`diloco/committed.py`), in a scratch file: written
         # while the next inner step computes; the optimizer's step waits for the write
         self.spill = TensorSpill(self.ckpt_dir / f".committed-r{placement.rank}")
+        self._staging_wait_s = 0.0
         self.opt.register_step_pre_hook(self._before_optimizer_step)
         self.log.info(
             f"model {cfg.model.preset}: {num_params(self.model) / 1e6:.2f}M parameters, "
@@ -252,6 +253,13 @@ class Run:
 
     def _before_optimizer_step(self, *_: Any) -> None:
         self.spill.wait()
+        self._staging_wait_s += self.ckpt.wait_staged()
+
+    def take_staging_wait(self) -> float:
+        """Seconds the optimizer steps since the last call waited for a checkpoint's copy into
+        RAM (not compute: the loop counts them as the checkpoint's)."""
+        waited, self._staging_wait_s = self._staging_wait_s, 0.0
+        return waited
 
     def close(self) -> None:
         try:

@@ -227,8 +227,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
             faults.slow_inner_step(time.perf_counter() - t)  # a test's slow node (off unless set)
             inner = step  # (a time-budgeted round's end moves `step` to its nominal end)
             # with an outer step, checkpoints and stops wait for a boundary (synced weights)
-            if boundary is not None:
-                boundary.add_compute_time(time.perf_counter() - t)
+            if boundary is not None:  # (a checkpoint's copy the step waited for: not compute)
+                boundary.add_compute_time(time.perf_counter() - t - run.take_staging_wait())
             at_boundary = boundary is None or boundary.due(step)
             if boundary is not None and at_boundary:
                 step = boundary.sync(step)
