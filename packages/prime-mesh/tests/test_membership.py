@@ -167,13 +167,16 @@ def test_a_late_ballot_gets_the_decided_result_across_an_epoch_change():
     (a, ca), (b, cb), (c, cc) = _register(m, "a"), _register(m, "b"), _register(m, "c")
     _listening_round(m, [(a, ca), (b, cb), (c, cc)], c)
     voted_in = m.epoch
-    m.vote(a, 0, ca, 3, {"epoch": voted_in, "seq": 0, "ok": True})
-    m.vote(b, 0, cb, 3, {"epoch": voted_in, "seq": 0, "ok": True})
+    m.vote(a, 0, ca, 3, {"epoch": voted_in, "seq": 0, "ok": True, "outer": [7, "h7"]})
+    m.vote(b, 0, cb, 3, {"epoch": voted_in, "seq": 0, "ok": True, "outer": [7, "h7"]})
     assert ca.replies(3)[0]["result"] is True
+    assert ca.replies(3)[0]["outer"] == [7, "h7"], "the contributors' state, told to each"
     m.leave(b, completed=False)
     assert m.epoch == voted_in + 1
     m.vote(c, 0, cc, 3, {"epoch": voted_in, "seq": 0, "ok": True})
-    assert cc.replies(3)[0]["result"] is True, "told what the members committed"
+    late = cc.replies(3)[0]
+    assert late["result"] is True, "told what the members committed"
+    assert late["outer"] == [7, "h7"], "and the state it must hold once caught up"
     # a vote of the old epoch still in flight is answered False at the epoch change
     m.vote(a, 0, ca, 4, {"epoch": m.epoch - 1, "seq": 1, "ok": True})
     assert ca.replies(4)[0]["result"] is False

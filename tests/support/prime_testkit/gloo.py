@@ -52,6 +52,7 @@ class WorldMesh:
 
     state, epoch = "member", 1
     norm_outlier: str | None = None  # (one fixed epoch: no norm is compared)
+    agreed_outer: tuple[int, str] | None = None  # (nor any outer state)
 
     def __init__(self, votes: list[bool] | None = None):
         self.global_pg, self.global_world_size = dist.group.WORLD, dist.get_world_size()

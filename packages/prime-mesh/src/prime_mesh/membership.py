@@ -186,7 +186,7 @@ class Membership(MembershipViews):
         epoch, seq = msg.get("epoch"), int(msg.get("seq", 0))
         decided = self.pending.decided.get((epoch, seq)) if isinstance(epoch, int) else None
         if decided is not None:
-            conn.send(reply(req, result=decided))
+            conn.send(reply(req, **decided))
             return
         if not node.member or epoch != self.epoch:
             conn.send(reply(req, result=False, reason="the epoch changed"))

@@ -112,6 +112,9 @@ class ElasticDeviceMesh(MeshViews):
         self.coordinator_grace_s = coordinator_grace_s
         self._outer: tuple[int, str] = (0, "")  # last committed outer step and weight hash
         self.norm_outlier: str | None = None  # see `maybe_reinit_global_pg`
+        # the contributors' (outer step, hash) before the round the last vote passed (None:
+        # not told; see `should_commit`)
+        self.agreed_outer: tuple[int, str] | None = None
         self._session = Session(
             coordinator,
             key,
@@ -297,6 +300,8 @@ class ElasticDeviceMesh(MeshViews):
         ballot carries the outer state told by `note_outer_step` when `contributed` (this
         member sent work of its own; a joiner's state may lag until it caught up): a member
         whose state differs from the majority's makes the vote False and is evicted, told why.
+        A passed vote sets `agreed_outer`: the contributors' state (a listener that caught up
+        checks its own against it).
         """
         try:
             self._check()  # the coordinator may be lost since the sync point (overlapped round)
@@ -326,6 +331,8 @@ class ElasticDeviceMesh(MeshViews):
             return False
         self._vote_seq += 1
         result = bool(reply.get("result"))
+        outer = reply.get("outer")
+        self.agreed_outer = (int(outer[0]), str(outer[1])) if result and outer else None
         if not result:
             self._suspect = True
             log.info(

@@ -16,8 +16,9 @@ Each ballot may carry the node's outer step and outer weight hash before the rou
 a vote also checks that the contributing ballots agree on it: the majority's wins (on a tie,
 the group holding the earliest member), and a vote with an odd one out is False for all, so
 the others retry without it (`RoundRequests.vote` returns who differs; see
-`prime_mesh.membership`). Pure logic, no sockets: answers go out through `Conn.send` (which
-queues).
+`prime_mesh.membership`). A passed vote's reply carries the contributors' `outer`, for a
+listener to check its own against once it caught up. Pure logic, no sockets: answers go out
+through `Conn.send` (which queues).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class RoundRequests:
         self.norms2: dict[Slot, float] = {}  # this sync point's stated norms (`prime_mesh.norms`)
         self.norm_bound = 0.0
         # recent votes' results by (epoch, seq), for a listener's late ballot
-        self.decided: dict[tuple[int, int], bool] = {}
+        self.decided: dict[tuple[int, int], dict] = {}  # a vote's reply fields
 
     def arrive(self, slot: Slot, conn: Conn, req: int, msg: dict, now: float) -> None:
         """`slot` reached the sync point (`msg`: its sync request)."""
@@ -178,11 +179,16 @@ class RoundRequests:
             return []
         odd = odd_ones(ballots, self.listening, order)
         result = not odd and all(b.ok for b in ballots.values())
+        said = {b.outer for s, b in ballots.items() if s not in self.listening and b.outer}
+        # a passed vote tells every ballot the contributors' outer state (one: none differs),
+        # so that a listener that has caught up can check its own against it
+        agreed = [list(o) for o in said] if result and len(said) == 1 else []
+        decided = {"result": result, **({"outer": agreed[0]} if agreed else {})}
         for b in ballots.values():
-            b.conn.send(reply(b.req, result=result))
+            b.conn.send(reply(b.req, **decided))
         del self.ballots[seq]
         self.waits.vote_done(seq)
-        self.decided[(epoch, seq)] = result
+        self.decided[(epoch, seq)] = decided
         while len(self.decided) > DECIDED_KEPT:
             del self.decided[next(iter(self.decided))]
         return odd

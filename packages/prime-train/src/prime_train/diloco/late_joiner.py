@@ -41,15 +41,19 @@ def sync_part(outer: Diloco) -> OuterOptimizer:
     return outer.fragments.part(sync_count(outer))
 
 
-def settle_late(outer: Diloco, got: Averaged, step: int) -> int | None:
+def settle_late(outer: Diloco, got: Averaged, step: int, contributing: bool = True) -> int | None:
     """A committed round `got` ending at inner step `step`: the inner step of the members'
     round, for the round to apply as theirs does (its buffer holding the average); None: a
-    round a listener only kept. JoinedLate when it cannot catch up, or when the header says
-    this node, not listening, lacks rounds the members applied."""
+    round a listener only kept. JoinedLate when it cannot catch up, when the header says
+    this node, not listening, lacks rounds the members applied, or when it did not
+    contribute (`contributing`: left out of the round) and its outer state is not the
+    contributors' (`check_holds_agreed`)."""
     listener = outer.listener
     if listener is None:
         if got.late is not None:
             raise JoinedLate(got.late)  # the members commit; this node leaves
+        if not contributing:
+            check_holds_agreed(outer)
         return step
     if listener.count is None:  # its first round: its count is 0, or a rejoiner's stale one
         step = (outer.outer_steps + got.behind + 1) * outer.period
@@ -58,5 +62,25 @@ def settle_late(outer: Diloco, got: Averaged, step: int) -> int | None:
         step = got.members_step  # (a dropped round moves the step, not the count)
     if not listener.listened(got, step):
         return None  # kept, not applied: it still fetches its snapshot or backlog
+    check_holds_agreed(outer)
     outer.listener = None  # caught up: this round applies as theirs
     return step
+
+
+def check_holds_agreed(outer: Diloco) -> None:
+    """JoinedLate unless this node, which did not contribute to the round just committed (a
+    listener that has caught up, a member left out of it), holds the outer state the
+    contributors voted with (`mesh.agreed_outer`): its weights are compared only when it
+    contributes, and a change made outside the update stream (a fault, a bit flip on the
+    only contributor) cannot be replayed from it; applying the round on other weights would
+    write a row of another hash. The node then takes the members' state again."""
+    agreed = outer.mesh.agreed_outer
+    if agreed is None or agreed[0] != outer.outer_steps:
+        return
+    mine = outer.rounds.node_digest()
+    if mine != agreed[1]:
+        raise JoinedLate(
+            f"outer weights differ from the contributors' at outer step {agreed[0]}: this node "
+            f"holds hash {mine[:16]}, the contributors voted with {agreed[1][:16]}; it takes "
+            "the members' state again"
+        )

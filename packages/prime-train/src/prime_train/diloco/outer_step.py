@@ -184,7 +184,7 @@ class Diloco(JoinSide):
                     got = self.average(regrouped, contributing, reads, step=step)
                 if self.vote(got, contributing):
                     faults.stall_after_vote(self.outer_steps + 1, self.log)  # (a test's)
-                    settled = settle_late(self, got, step)  # (a late joiner's or listener's)
+                    settled = settle_late(self, got, step, contributing)  # (not its own?)
                     if settled is None:
                         return None  # a round it only listened to
                     step = settled
