@@ -18,6 +18,11 @@ from prime_mesh.node import Node
 log = logging.getLogger("prime_mesh.coordinator")
 
 DEPART_BATCH_S = 0.2  # a crash still ends the epoch this soon
+# the eviction of a node joining a run whose every member left (a client may look for it)
+ORPHANED = (
+    'the run it was joining has no members left; register again (ready "auto"): the nodes '
+    "that come back form it anew"
+)
 
 
 class Departures:

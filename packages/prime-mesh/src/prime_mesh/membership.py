@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prime_mesh.departures import Departures, log_departure
+from prime_mesh.departures import ORPHANED, Departures, log_departure
 from prime_mesh.membership_views import MembershipViews
 from prime_mesh.node import Conn, Node, fresh_id, name_held
 from prime_mesh.progress import History
@@ -47,11 +47,6 @@ from prime_mesh.round_requests import Ballot, RoundRequests, Slot, outer_of, rep
 
 log = logging.getLogger("prime_mesh.coordinator")
 _HELD: Slot = ("", -1)  # a slot no node sends: a vote waits while departures are batched
-# the eviction of a node joining a run whose every member left (a client may look for it)
-ORPHANED = (
-    'the run it was joining has no members left; register again (ready "auto"): the nodes '
-    "that come back form it anew"
-)
 
 
 class Membership(MembershipViews):
@@ -101,7 +96,7 @@ class Membership(MembershipViews):
             )
             if holder is not None and msg.get("resume") is None:
                 raise NameTaken(name_held(holder, self.state_of(holder), self.clock()))
-        check_fits_run(reg, self._run_node(exclude=key))
+        check_fits_run(reg, self.run_node(exclude=key))
         if (
             self.completed is not None
             and not self.members
@@ -143,10 +138,6 @@ class Membership(MembershipViews):
             log.info("%s is waiting until it is ready (metadata %s)", node.node_id, node.metadata)
         self._maybe_queue(node)
         return node
-
-    def running(self) -> bool:
-        """Whether the run has members, or reconnected nodes are re-forming it."""
-        return bool(self.members) or any(n.resume is not None for n in self.nodes.values())
 
     def leave(self, node: Node, completed: bool) -> None:
         """`node` leaves gracefully; `completed`: it finished the run (a later registration
@@ -404,8 +395,3 @@ class Membership(MembershipViews):
             sizes = [(k, self.nodes[k].local_world_size) for k in self.members]
             self._required_slots = {(k, lr) for k, n in sizes for lr in range(n)}
         return self._required_slots
-
-    def _run_node(self, exclude: str) -> Node | None:
-        if self.members:
-            return self.nodes[self.members[0]]
-        return next((n for k, n in self.nodes.items() if k != exclude), None)

@@ -71,3 +71,13 @@ class MembershipViews:
         addresses = {n.node_id: n.address for n in self.nodes.values()}
         members = [self.nodes[k].node_id for k in self.members]
         return page_of(self.history, self.status(), addresses, members)
+
+    def running(self) -> bool:
+        """Whether the run has members, or reconnected nodes are re-forming it."""
+        return bool(self.members) or any(n.resume is not None for n in self.nodes.values())
+
+    def run_node(self, exclude: str) -> Node | None:
+        """A node of the run, whose settings a registering node must fit (not `exclude`)."""
+        if self.members:
+            return self.nodes[self.members[0]]
+        return next((n for k, n in self.nodes.items() if k != exclude), None)
