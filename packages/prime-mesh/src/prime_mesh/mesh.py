@@ -112,9 +112,7 @@ class ElasticDeviceMesh(MeshViews):
         self.coordinator_grace_s = coordinator_grace_s
         self._outer: tuple[int, str] = (0, "")  # last committed outer step and weight hash
         self.norm_outlier: str | None = None  # see `maybe_reinit_global_pg`
-        # the contributors' (outer step, hash) before the round the last vote passed (None:
-        # not told; see `should_commit`)
-        self.agreed_outer: tuple[int, str] | None = None
+        self.agreed_outer: tuple[int, str] | None = None  # see should_commit
         self._session = Session(
             coordinator,
             key,
