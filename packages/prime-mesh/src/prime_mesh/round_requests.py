@@ -84,10 +84,15 @@ def outer_of(msg: dict) -> Outer | None:
     return None
 
 
+def outer_said(ballots: dict[Slot, Ballot], skip: set[Slot]) -> dict[Slot, Outer]:
+    """The outer state each ballot (but those in `skip`: listening) carries, where it does."""
+    return {s: b.outer for s, b in ballots.items() if s not in skip and b.outer is not None}
+
+
 def odd_ones(ballots: dict[Slot, Ballot], skip: set[Slot], order: list[str]) -> list[Odd]:
     """The ballots (but those in `skip`) whose outer state differs from the majority's; a
     tie goes to the group holding the node earliest in `order` (the longest-standing)."""
-    said = {s: b.outer for s, b in ballots.items() if s not in skip and b.outer is not None}
+    said = outer_said(ballots, skip)
     if len(set(said.values())) < 2:
         return []
     groups: dict[Outer, list[Slot]] = {}
@@ -179,11 +184,11 @@ class RoundRequests:
             return []
         odd = odd_ones(ballots, self.listening, order)
         result = not odd and all(b.ok for b in ballots.values())
-        said = {b.outer for s, b in ballots.items() if s not in self.listening and b.outer}
         # a passed vote tells every ballot the contributors' outer state (one: none differs),
         # so that a listener that has caught up can check its own against it
-        agreed = [list(o) for o in said] if result and len(said) == 1 else []
-        decided = {"result": result, **({"outer": agreed[0]} if agreed else {})}
+        said = set(outer_said(ballots, self.listening).values())
+        agreed = next(iter(said)) if result and said else None
+        decided = {"result": result, **({"outer": list(agreed)} if agreed else {})}
         for b in ballots.values():
             b.conn.send(reply(b.req, **decided))
         del self.ballots[seq]
