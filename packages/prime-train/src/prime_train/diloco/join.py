@@ -144,14 +144,13 @@ def _form_anew(run: Run, outer: ElasticOuterStep, lost: BaseException) -> int:
     membership = run.placement.membership
     assert membership is not None
     membership.close()  # (before the pause: a node coming back with state founds, not joins)
-    error = NothingToFormFrom(
+    time.sleep(FORM_AGAIN_S)
+    raise NothingToFormFrom(
         "the run this node was joining lost every member, and no node forming it anew holds "
         "a checkpoint: its state left with its members. Start the nodes that hold its "
         "checkpoints again (this node then joins them), or move every node's checkpoints "
         "aside to start the run over"
     )
-    time.sleep(FORM_AGAIN_S)
-    raise error
 
 
 def _end(outer: ElasticOuterStep, joining: Joining, listener: Listener, again: bool) -> None:
