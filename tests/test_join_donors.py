@@ -25,10 +25,11 @@ from prime_testkit import (
 )
 
 TOKEN = "join-donors-test-token"
-# ~8.7 MB of checkpoint at 4 Mbit/s per donor: the shared ~5 MB from all three, the joiner's
-# own ~3.5 MB (inner moments) from one: several seconds, long enough to kill a donor mid-way
+# ~8.7 MB of checkpoint at 3 Mbit/s per donor: the shared ~5 MB from all three, the joiner's
+# own ~3.5 MB (inner moments) from one: ~10 s, long enough for its admission to come first and
+# a donor to be killed mid-way
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": 5000, "inner_steps": 10,
-        "args": ["--mesh.serve_mbit", "4"]}  # fmt: skip
+        "args": ["--mesh.serve_mbit", "3"]}  # fmt: skip
 
 
 def transfer_under_way(folder: Path) -> bool:
@@ -38,6 +39,11 @@ def transfer_under_way(folder: Path) -> bool:
         for p in folder.rglob(".peer-*.partial")
         if (p / ".progress").exists()
     )
+
+
+def listens(log: Path) -> bool:
+    """The joiner has been admitted and listens."""
+    return log.is_file() and "admitted before its snapshot arrived" in log.read_text()
 
 
 @pytest.mark.slow
@@ -62,9 +68,11 @@ def test_a_listeners_donor_killed_mid_transfer_the_rest_comes_from_the_others(
         other = {**NODE, "args": [*NODE["args"], "--model.n_layers", "5"]}
         odd = start_cli_node(children, tmp_path / "odd", coordinator=coord.address,
                              cache=token_cache, **other)  # fmt: skip
-        wait_until(lambda: transfer_under_way(n3) or joiner.poll() is not None, 240,
-                   interval=0.02, what="the joiner's snapshot transfer")  # fmt: skip
-        listening = "admitted before its snapshot arrived" in (tmp_path / "node3.log").read_text()
+        # (its fetch starts when it registers, its admission at the members' next round)
+        wait_until(lambda: (listens(tmp_path / "node3.log") and transfer_under_way(n3))
+                   or joiner.poll() is not None, 240, interval=0.02,
+                   what="the joiner listening while its snapshot comes")  # fmt: skip
+        listening = transfer_under_way(n3)  # (still: its snapshot is not all in)
         members[0].send_signal(signal.SIGKILL)  # a donor (the first offered: its checkpoint)
         members[0].wait(timeout=30)
         assert odd.wait(timeout=120) == 1, log_tails(tmp_path)
