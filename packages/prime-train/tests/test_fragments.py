@@ -159,7 +159,7 @@ def _listener_worker(rank, world, port, q):
         else:  # the listener: its own count 0 (fragment 0), stating the members' count 1
             outer.optimizer.pseudo_gradient.fill_(7.0)
             outer.fragments.part(1).pseudo_gradient.zero_()
-            got = outer.average(regrouped=True, contributing=False, count=1)
+            got = outer.average(contributing=False, count=1)
             out.update(error=got.error, late=got.late, mismatch=got.mismatch,
                        behind=got.behind, buffer=outer.optimizer.pseudo_gradient.tolist())  # fmt: skip
             kept = outer.fragments.part(1).pseudo_gradient.clone()  # what it keeps

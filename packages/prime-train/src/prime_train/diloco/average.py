@@ -4,9 +4,10 @@ The nodes first sum an exact (uncompressed) header: whether each contributes a
 pseudo-gradient (a joiner's entry round does not), their outer step counts, which must all be
 equal, the contributors' inner step at this sync point (in two parts, so the float32 sums stay
 exact: a listener, which holds no step of its own, takes the members'), and, with data slots, how many sequences each read from each slot and not counted yet
-(`reads`: a few numbers per slot; only a contributor's count). Without `reads` the header is
-only sent after the group changed (`regrouped`: the same on every member) or by a joiner. The
-average is then over the contributors: every node scales the same bits by the same factor.
+(`reads`: a few numbers per slot; only a contributor's count). The header goes with every
+round, with or without `reads`: whether a node contributes is its own to say (a joiner, a
+node whose numbers went bad or were an outlier), so no node can tell whether the others send
+one. The average is then over the contributors: every node scales the same bits by the same factor.
 With `weighted` (time-budgeted rounds, `[diloco] round_seconds`), each contributor's
 pseudo-gradient counts by the sequences it read that round: it first scales its own by
 contributors x its reads / all reads, exactly 1 when all read alike (the arithmetic is then
@@ -53,7 +54,6 @@ def average_pseudo_gradient(
     compression: str,
     outer_steps: int,
     contributing: bool = True,
-    regrouped: bool = False,
     reads: list[int] | None = None,
     feedback: tuple[torch.Tensor, torch.Tensor] | None = None,
     weighted: bool = False,
@@ -75,10 +75,9 @@ def average_pseudo_gradient(
     contributors, late, mismatch, consumed, behind = world, None, False, None, 0
     members_step = None
     try:
-        if regrouped or not contributing or reads is not None:
-            contributors, late, mismatch, consumed, behind, members_step = _header(
-                mesh, contributing, outer_steps, reads, step
-            )
+        contributors, late, mismatch, consumed, behind, members_step = _header(
+            mesh, contributing, outer_steps, reads, step
+        )
         if behind > 0 and payload_for is not None:  # (a joiner: it contributes nothing)
             pseudo_gradient = payload_for(outer_steps + behind).zero_()
         if weighted and reads is not None and consumed is not None:

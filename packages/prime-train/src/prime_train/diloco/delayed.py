@@ -69,7 +69,7 @@ _NO_ROUND = {"state": "none", "step": 0, "seconds": 0.0, "allreduce_seconds": 0.
              "bytes_sent": 0, "nodes": 0, "epoch": 0, "contributors": 0, "error": "",
              "late": "", "behind": 0, "consumed": None, "members": [], "inner_steps": 0,
              "counted": None, "admitted": [], "join_seconds": 0.0,
-             "members_step": 0}  # fmt: skip
+             "members_step": 0, "contributed": True}  # fmt: skip
 
 
 class DelayedDiloco(Diloco):
@@ -189,7 +189,7 @@ class DelayedDiloco(Diloco):
         try:
             before = members_before(mesh)
             # a listener may come a round early: not its clock
-            regrouped = mesh.maybe_reinit_global_pg(
+            mesh.maybe_reinit_global_pg(
                 listening=listener is not None, norm2=norm2, norm_bound=self.cfg.norm_bound
             )
             if contributing and outlier(mesh.norm_outlier, self.outer_steps + 1,
@@ -199,7 +199,7 @@ class DelayedDiloco(Diloco):
             sync_seconds = time.monotonic() - t0
             faults.hold_outer_round(rnd["step"], self.log)
             with listener.collective() if listener is not None else nullcontext():
-                got = self.average(regrouped, contributing, reads, step=int(rnd["step"]))
+                got = self.average(contributing, reads, step=int(rnd["step"]))
             self._encoded = got.encoded
             committed = self.vote(got, contributing)  # a committed round's residual is kept at once
             epoch, members = mesh.installed_group  # (never raises for a later eviction)
@@ -218,6 +218,7 @@ class DelayedDiloco(Diloco):
                 members_step=got.members_step or 0,  # (0: not sent; a listener's entry step)
                 consumed=got.consumed,
                 members=list(members),
+                contributed=contributing,
                 # this node's reads that counted (None: it sent none, or was not counted)
                 counted=reads if contributing and got.late is None else None,
                 # flat, always present: the round is checkpointed, and a checkpoint's keys must
@@ -264,12 +265,13 @@ class DelayedDiloco(Diloco):
             if self.data is not None:
                 self.data.drop()
             return None
-        if rnd["late"] or self.listener is not None:
+        # (a member left out of the round checks it holds the contributors' outer state)
+        if rnd["late"] or self.listener is not None or not rnd["contributed"]:
             got = Averaged(None, None, int(rnd["contributors"]), late=rnd["late"] or None,
                            consumed=rnd["consumed"], behind=int(rnd["behind"]),
                            members_step=int(rnd["members_step"]) or None,
                            encoded=encoded)  # fmt: skip
-            settled = settle_late(self, got, step)  # (a late joiner's or listener's)
+            settled = settle_late(self, got, step, contributing=bool(rnd["contributed"]))
             if settled is None:
                 return None  # a round it listened to: kept, not applied
             # its row is the members' round's

@@ -177,11 +177,11 @@ class Diloco(JoinSide):
                     with self._own():
                         part.compute_pseudo_gradient()
                 before = members_before(self.mesh)
-                regrouped, contributing, sync_seconds = self._sync_point(part, contributing)
+                contributing, sync_seconds = self._sync_point(part, contributing)
                 with (  # a listener's snapshot leaves the link to the all-reduce meanwhile
                     self.listener.collective() if self.listener is not None else nullcontext()
                 ):
-                    got = self.average(regrouped, contributing, reads, step=step)
+                    got = self.average(contributing, reads, step=step)
                 if self.vote(got, contributing):
                     faults.stall_after_vote(self.outer_steps + 1, self.log)  # (a test's)
                     settled = settle_late(self, got, step, contributing)  # (not its own?)
@@ -222,17 +222,17 @@ class Diloco(JoinSide):
             "outer weights are unchanged"
         )
 
-    def _sync_point(self, part: OuterOptimizer, contributing: bool) -> tuple[bool, bool, float]:
+    def _sync_point(self, part: OuterOptimizer, contributing: bool) -> tuple[bool, float]:
         """This attempt's sync point, with the norm this node states (`diloco/contribution.py`:
         bad numbers or a norm far outside the others' leave it out of the round, not the run;
-        its model takes the committed weights at apply): (regrouped, contributing, seconds)."""
+        its model takes the committed weights at apply): (contributing, seconds)."""
         outer_step = self.outer_steps + 1
         norm2 = stated_norm(part.pseudo_gradient, outer_step, self.log) if contributing else None
         contributing = norm2 is not None
         if not contributing:
             part.pseudo_gradient.zero_()
         t = time.monotonic()
-        regrouped = self.mesh.maybe_reinit_global_pg(  # a listener may come a round early:
+        self.mesh.maybe_reinit_global_pg(  # a listener may come a round early:
             listening=self.listener is not None,  # not its clock
             norm2=norm2,
             norm_bound=self.cfg.norm_bound,
@@ -241,22 +241,21 @@ class Diloco(JoinSide):
                                     self.log):  # fmt: skip
             contributing = False
             part.pseudo_gradient.zero_()
-        return regrouped, contributing, time.monotonic() - t
+        return contributing, time.monotonic() - t
 
     def average(
         self,
-        regrouped: bool,
         contributing: bool,
         reads: list[int] | None = None,
         count: int | None = None,
         step: int | None = None,
     ) -> Averaged:
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
-        point (`regrouped`: the group changed there); `contributing` is False for a joiner's
-        first round; `reads`: the node's uncounted reads per data slot; `count`: the committed
-        count it states and takes its fragment from (default `late_joiner.sync_count`: a
-        listener's is the members'); `step`: its inner step there (a listener learns the
-        members' from the header)."""
+        point; `contributing` is False for a joiner's first round or a node left out of it;
+        `reads`: the node's uncounted reads per data slot; `count`: the committed count it
+        states and takes its fragment from (default `late_joiner.sync_count`: a listener's is
+        the members'); `step`: its inner step there (a listener learns the members' from the
+        header)."""
         count = sync_count(self) if count is None else count
         feedback = self.feedback.prepare(contributing, self.fragments.span(count))
         return average_pseudo_gradient(
@@ -265,7 +264,6 @@ class Diloco(JoinSide):
             self.cfg.compression,
             count,
             contributing=contributing,
-            regrouped=regrouped,
             reads=reads,
             feedback=feedback,
             weighted=self.cfg.round_seconds > 0,
