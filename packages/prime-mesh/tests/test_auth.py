@@ -3,6 +3,7 @@
 import logging
 import os
 import socket
+import threading
 
 import msgpack
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from prime_mesh import (
     Coordinator,
     CoordinatorLost,
+    CoordinatorUnreachable,
     ElasticDeviceMesh,
     MeshAuthError,
     MeshRefused,
@@ -171,8 +173,10 @@ def test_mismatched_joiner_is_refused(coordinator):
 
 
 def test_unreachable_coordinator_and_bad_address():
-    with pytest.raises(CoordinatorLost, match="cannot reach the coordinator"):
-        ElasticDeviceMesh(f"127.0.0.1:{free_port()}", token=TOKEN)
+    with pytest.raises(CoordinatorUnreachable, match="cannot reach the coordinator"):
+        ElasticDeviceMesh(f"127.0.0.1:{free_port()}", token=TOKEN, coordinator_grace_s=0)
+    with pytest.raises(CoordinatorUnreachable, match=r"cannot reach .* \(waited [12] s\)"):
+        ElasticDeviceMesh(f"127.0.0.1:{free_port()}", token=TOKEN, coordinator_grace_s=1.5)
     with pytest.raises(ValueError, match="HOST:PORT"):
         ElasticDeviceMesh("no-port-here", token=TOKEN)
     with pytest.raises(ValueError, match="heartbeat_interval"):
@@ -190,3 +194,26 @@ def test_coordinator_gone_is_a_clear_error_not_a_hang():
     with pytest.raises(CoordinatorLost):
         mesh.maybe_reinit_global_pg()
     mesh.close()  # never raises
+
+
+def test_a_node_started_before_its_coordinator_waits_for_it(caplog):
+    """A node whose coordinator is not running yet (or restarts) retries its address within
+    `coordinator_grace_s`, saying so once, and registers when the coordinator comes."""
+    port = free_port()
+    coordinator = Coordinator("127.0.0.1", port=port, token=TOKEN, min_nodes=1)
+    starter = threading.Timer(2.0, coordinator.start)
+    starter.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="prime_mesh"):
+            mesh = ElasticDeviceMesh(f"127.0.0.1:{port}", token=TOKEN, coordinator_grace_s=60)
+        try:
+            assert mesh.global_world_size == 1
+        finally:
+            mesh.close()
+        told = [
+            r.getMessage() for r in caplog.records if "retrying for up to 60 s" in r.getMessage()
+        ]
+        assert len(told) == 1 and "cannot reach the coordinator" in told[0], told
+    finally:
+        starter.join()
+        coordinator.close()

@@ -13,6 +13,7 @@ _EXPORTS = {
     "Coordinator": "prime_mesh.coordinator",
     "CoordinatorGone": "prime_mesh.errors",
     "CoordinatorLost": "prime_mesh.errors",
+    "CoordinatorUnreachable": "prime_mesh.errors",
     "ElasticDeviceMesh": "prime_mesh.mesh",
     "MeshAuthError": "prime_mesh.errors",
     "MeshClosed": "prime_mesh.errors",
@@ -30,6 +31,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorGone",
     "CoordinatorLost",
+    "CoordinatorUnreachable",
     "ElasticDeviceMesh",
     "MeshAuthError",
     "MeshClosed",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from prime_mesh.errors import (
         CoordinatorGone,
         CoordinatorLost,
+        CoordinatorUnreachable,
         MeshAuthError,
         MeshClosed,
         MeshError,

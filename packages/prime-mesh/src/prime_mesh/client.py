@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from prime_mesh.errors import (
     CoordinatorLost,
+    CoordinatorUnreachable,
     MeshAuthError,
     MeshError,
     MeshEvicted,
@@ -48,7 +49,7 @@ class CoordinatorClient:
         try:
             sock = socket.create_connection((self.coordinator_host, port), timeout=connect_timeout)
         except OSError as e:
-            raise CoordinatorLost(
+            raise CoordinatorUnreachable(
                 f"cannot reach the coordinator at {address} ({e.strerror or e}); check the address "
                 "and that `prime-mesh coordinator` (or the trainer hosting it) is running"
             ) from None

@@ -34,6 +34,11 @@ class CoordinatorLost(MeshError):
     """The coordinator closed the connection or stopped answering."""
 
 
+class CoordinatorUnreachable(CoordinatorLost):
+    """Nothing accepted a connection at the coordinator's address (refused, no route, timed
+    out): a wrong address, or a coordinator not (yet, or not again) running."""
+
+
 class MeshClosed(MeshError):
     """The mesh was closed with close(); create a new ElasticDeviceMesh to join again."""
 

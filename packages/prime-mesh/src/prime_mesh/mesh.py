@@ -50,6 +50,8 @@ class ElasticDeviceMesh(MeshViews):
     If the coordinator dies, training goes on; the next sync point (or vote) reconnects to the
     same address for up to `coordinator_grace_s` seconds and the restarted coordinator
     re-forms the run (see `prime_mesh.reconnect`); past the grace it raises CoordinatorGone.
+    A node whose coordinator does not answer when it starts (restarting, or not started yet)
+    retries for the same grace, then raises CoordinatorUnreachable.
     Tell the mesh each committed outer step with `note_outer_step` so it can say where it is.
 
     `name` is the node's id in the run (logs, `members()`, the status page; else "node-N"):
@@ -134,6 +136,7 @@ class ElasticDeviceMesh(MeshViews):
             connect_timeout=connect_timeout,
             pg_timeout=pg_timeout,
             sync_timeout=sync_timeout,
+            unreachable_grace=coordinator_grace_s,
         )
         if auto:
             self._ready = not self._session.joining

@@ -18,7 +18,7 @@ import msgpack
 from prime_mesh.barrier import request_bound
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.epoch import Epoch, connect_store
-from prime_mesh.errors import MeshClosed, MeshNameTaken
+from prime_mesh.errors import CoordinatorUnreachable, MeshClosed, MeshNameTaken
 
 log = logging.getLogger("prime_mesh")
 
@@ -42,8 +42,10 @@ class Session:
         connect_timeout: float,
         pg_timeout: float,
         sync_timeout: float | None = None,
+        unreachable_grace: float = 0.0,
     ) -> None:
         self.address, self.key, self.register = address, key, register
+        self.unreachable_grace = unreachable_grace  # (the first connection's, see _open_first)
         # the bound on waiting for the coordinator at a sync point or vote (see barrier)
         self.request_bound = request_bound(sync_timeout, heartbeat_timeout, heartbeat_interval)
         self.local_rank = local_rank
@@ -66,14 +68,28 @@ class Session:
             raise
 
     def _open_first(self, first: dict) -> dict:
-        """`open(first)`; while the node's name is held by another registration, retry for
-        one heartbeat timeout: a node restarted under its name takes it back once the
-        coordinator has evicted the dead one, while a live holder keeps it (MeshNameTaken)."""
-        deadline = time.monotonic() + self.heartbeat_timeout + 2 * self.heartbeat_interval
+        """`open(first)`. While nothing answers at the address, retry for `unreachable_grace`
+        seconds: a node started while the coordinator restarts (or before it started) waits
+        for it as long as a member that lost it mid-run does. While the node's name is held
+        by another registration, retry for one heartbeat timeout: a node restarted under its
+        name takes it back once the coordinator has evicted the dead one, while a live holder
+        keeps it (MeshNameTaken)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.heartbeat_timeout + 2 * self.heartbeat_interval
         told = False
         while True:
             try:
                 return self.open(first)
+            except CoordinatorUnreachable as e:
+                waited = time.monotonic() - t0
+                if waited >= self.unreachable_grace:
+                    raise CoordinatorUnreachable(
+                        f"{e} (waited {waited:.0f} s)" if waited >= 1 else str(e)
+                    ) from None
+                if not told:
+                    log.warning("%s; retrying for up to %g s", e, self.unreachable_grace)
+                    told = True
+                time.sleep(min(1.0, self.unreachable_grace))
             except MeshNameTaken as e:
                 if time.monotonic() >= deadline:
                     raise MeshNameTaken(

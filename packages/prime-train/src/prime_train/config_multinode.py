@@ -69,7 +69,8 @@ class MeshConfig(Section):
         120.0,
         ge=0.0,
         description="coordinator lost: seconds to retry its address at the next outer step "
-        "before checkpointing the last committed outer step and exiting",
+        "before checkpointing the last committed outer step and exiting; also how long a "
+        "starting node waits for a coordinator that does not answer yet",
     )
     token: SecretStr | None = Field(
         None, description="shared secret; only from PRIME_TOKEN, never on the command line"
