@@ -243,3 +243,42 @@ def test_no_coordinator_within_the_grace_is_coordinator_gone(children):
         err = cluster.expect(n, "error", timeout=BOUND + 30)
         assert err["type"] == "CoordinatorGone" and "coordinator_grace_s" in err["msg"], err
     cluster.send(["a", "b"], "exit")
+
+
+def test_a_node_told_to_found_the_run_before_its_members_came_back_is_sent_to_join_them():
+    """Churn seed 16 (12 events): a node registered "auto" at the restarted coordinator before
+    any member reconnected, so it was told to found the run (min_nodes 2: it waited); the
+    members then re-formed the run and it was admitted at their next sync point while it
+    resumed as a founder: their collectives differed and gloo aborted it. It is evicted when
+    the run re-forms, told to register again, and registering again makes it a joiner."""
+    clock = FakeClock()
+    m = Membership(min_nodes=2, clock=clock, reform_wait=30.0)
+    msg = {"local_rank": 0, "local_world_size": 1, "ready": "auto", "metadata": {}}
+    early = FakeConn()
+    founder = m.register(early, {**msg, "node_key": "f"})
+    assert not founder.joining and founder.founding and not m.members
+    _reconnect(m, "k5", "node-5", 7, 5, "h")
+    _reconnect(m, "k2", "node-2", 7, 5, "h")
+    _reconnect(m, "k3", "node-3", 7, 5, "h")
+    assert [m.nodes[k].node_id for k in m.members] == ["node-2", "node-5", "node-3"]
+    told = [x for x in early.sent if x.get("type") == "evicted"]
+    assert "f" not in m.nodes and len(told) == 1, early.sent
+    assert "re-formed from its members after a coordinator restart" in told[0]["reason"]
+    again = m.register(FakeConn(), {**msg, "node_key": "f2"})
+    assert again.joining and not again.founding and m.state_of(again) == "waiting"
+    assert m.epoch == 8, "its eviction made no epoch: it was not a member"
+
+
+def test_a_member_back_and_evicted_again_is_not_waited_for():
+    """Churn seed 17: of the four members, two reconnected to the restarted coordinator and
+    were evicted again (one killed, one stalled past the heartbeat timeout); the re-formation
+    waited its whole 30 s for them, and the run had no commit for 34.6 s."""
+    clock = FakeClock()
+    m = Membership(min_nodes=3, clock=clock, reform_wait=30.0)
+    _reconnect(m, "k2", "node-2", 7, 5, "h")
+    k5, _ = _reconnect(m, "k5", "node-5", 7, 5, "h")
+    clock.now = 2.0
+    m.evict(k5, "connection of local rank 0 closed")  # (killed after it came back)
+    assert not m.members, "node-3 is not back yet"
+    _reconnect(m, "k3", "node-3", 7, 5, "h")
+    assert m.epoch == 8 and [m.nodes[k].node_id for k in m.members] == ["node-2", "node-3"]

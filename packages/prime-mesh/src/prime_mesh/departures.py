@@ -23,6 +23,12 @@ ORPHANED = (
     'the run it was joining has no members left; register again (ready "auto"): the nodes '
     "that come back form it anew"
 )
+# the eviction of a node told to found the run at a restarted coordinator before the run's
+# members came back to it: the run re-formed from them, and this node is to join it
+REFORMED = (
+    "the run re-formed from its members after a coordinator restart; register again (ready "
+    '"auto"): this node joins it'
+)
 
 
 class Departures:

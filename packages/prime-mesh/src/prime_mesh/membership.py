@@ -15,7 +15,9 @@ A node's states (`status()` shows them):
     joining:     ready; admitted at the members' next sync point, in the order nodes became
                  ready (or forms the first epoch once `min_nodes` nodes are joining). A node
                  registered to join a running run (`ready: "auto"`) whose every member then
-                 left is evicted, told to register again: it is a founder then;
+                 left is evicted, told to register again: it is a founder then. One told to
+                 found the run at a restarted coordinator, which the run's members then
+                 re-form, is evicted so too: it joins them;
     member:      in the current epoch.
 A local rank is ready at registration unless it registered with `ready: False`; it says so
 later with a `ready` message. A node that dies before it is a member changes no epoch.
@@ -29,19 +31,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prime_mesh.departures import ORPHANED, Departures, log_departure
+from prime_mesh.departures import ORPHANED, REFORMED, Departures, log_departure
 from prime_mesh.membership_views import MembershipViews
 from prime_mesh.node import Conn, Node, fresh_id, name_held
 from prime_mesh.progress import History
-from prime_mesh.reform import (
-    Completed,
-    NameTaken,
-    Refused,
-    Rejoin,
-    Resume,
-    plan_reform,
-    resume_of,
-)
+from prime_mesh.reform import Completed, NameTaken, Refused, Rejoin, Resume, plan_reform, resume_of
 from prime_mesh.registration import check_fits_run, parse_registration
 from prime_mesh.round_requests import Ballot, RoundRequests, Slot, outer_of, reply
 
@@ -63,6 +57,7 @@ class Membership(MembershipViews):
         self.min_nodes = max(1, min_nodes)
         self.reform_wait = reform_wait
         self._reform_since: float | None = None  # first reconnected node of a re-formation
+        self._reform_departed: set[str] = set()  # reconnected node ids evicted before it
         self.clock = clock
         self.epoch = 0
         self.prefix = ""
@@ -120,6 +115,7 @@ class Membership(MembershipViews):
             # arriving while the run has members (or is being re-formed) joins it, waiting
             # until it fetched their state; otherwise it is one of the nodes forming the run
             node.joining = msg.get("ready") == "auto" and self.running()
+            node.founding = msg.get("ready") == "auto" and not node.joining
             self.nodes[key] = node
         elif node.local_world_size != lws or lr in node.conns:
             raise Refused(
@@ -227,6 +223,8 @@ class Membership(MembershipViews):
             self.gone.add(node.key)
             if node.key in self.joiners:
                 self.joiners.remove(node.key)
+            if node.resume is not None and not self.members:  # the re-formation waits not
+                self._reform_departed.add(node.node_id)
             if not logged:
                 log_departure(node, reason)
             self.history.departed_node(node.node_id, node.address, kind, reason)
@@ -379,15 +377,19 @@ class Membership(MembershipViews):
         """Apply the re-formation `plan_reform` makes of the reconnected nodes, if it is time."""
         if self._reform_since is None:
             self._reform_since = self.clock()
-        plan = plan_reform(resumes, self.clock() - self._reform_since, self.reform_wait)
+        waited = self.clock() - self._reform_since
+        plan = plan_reform(resumes, waited, self.reform_wait, self._reform_departed)
         if plan is None:
             return
         by_id = {n.node_id: n for n in self.nodes.values()}
-        self._reform_since = None
+        self._reform_since, self._reform_departed = None, set()
         self.epoch = plan.above_epoch  # _new_epoch numbers above it
         self._new_epoch([by_id[i].key for i in plan.adopted], plan.why, plan.event)
         for node_id, why in plan.away:  # not members: no new epoch; the node is told why
             self.evict(by_id[node_id], why)
+        # told to found the run before its members came back to this coordinator: it joins
+        if unfounded := [n for n in self.nodes.values() if n.founding and not n.member]:
+            self.evict_all(unfounded, REFORMED)
 
     def _required(self) -> set[Slot]:
         """The slots of this epoch's members (kept: rebuilt per epoch, not per message)."""

@@ -30,6 +30,7 @@ class Node:
     resume: Resume | None = None  # reconnected after a coordinator restart (see reform)
     sync_timeout: float | None = None  # seconds it asked late members be waited for; None: auto
     joining: bool = False  # registered "auto" into a running job: waits until ready()
+    founding: bool = False  # registered "auto" while no run was running: one of its founders
 
     @property
     def complete(self) -> bool:

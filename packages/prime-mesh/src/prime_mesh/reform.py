@@ -6,7 +6,8 @@ it was in, that epoch's members in rank order (but those a newer epoch the lost 
 pushed to it left out: they left or were evicted, and are not waited for), and its outer step
 and outer weight hash (told by the trainer through `ElasticDeviceMesh.note_outer_step`). A
 coordinator that has formed no epoch yet collects them until every member of the newest
-reported epoch is back (or `reform_wait` seconds pass since the first one), then adopts the
+reported epoch is back (or `reform_wait` seconds pass since the first one; one that came back
+and was evicted again, killed or stalled, is not waited for), then adopts the
 nodes at the newest outer step whose hash agrees with the first of them in the old rank order,
 keeps that order, and numbers its epoch above the highest one reported (nodes ignore epochs not newer than theirs). The
 others are evicted with a reason that tells them to rejoin through live recovery. `min_nodes`
@@ -149,17 +150,19 @@ class ReformPlan:
     event: tuple[str, str, str]  # for the status page's history: (kind, node ids, reason)
 
 
-def plan_reform(resumes: list[Resume], waited: float, reform_wait: float) -> ReformPlan | None:
+def plan_reform(
+    resumes: list[Resume], waited: float, reform_wait: float, departed: set[str]
+) -> ReformPlan | None:
     """The re-formation from reconnected nodes once every member of the newest reported
-    epoch is back or `reform_wait` passed (`waited` seconds since the first came back), else
-    None (wait on). min_nodes is not applied, and plain joiners wait for the members' next
-    sync point."""
+    epoch is back (or came back and departed again: `departed`, node ids) or `reform_wait`
+    passed (`waited` seconds since the first came back), else None (wait on). min_nodes is
+    not applied, and plain joiners wait for the members' next sync point."""
     back = {r.node_id for r in resumes}
-    if not expected_ids(resumes) <= back and waited < reform_wait:
+    if not expected_ids(resumes) - departed <= back and waited < reform_wait:
         return None
     adopted, away = choose(resumes)
     ids = ", ".join(r.node_id for r in adopted)
-    missing = sorted(expected_ids(resumes) - back)
+    missing = sorted(expected_ids(resumes) - back - departed)
     step = adopted[0].outer_step
     return ReformPlan(
         above_epoch=max(r.epoch for r in resumes),

@@ -8,6 +8,7 @@ the mesh goes through `prime_train.diloco.outer_step.Diloco`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,8 +69,9 @@ class Membership:
         port = serve_port(cfg, launcher_index)
         rate = cfg.mesh.serve_mbit * 1e6 / 8 or None  # bytes/s; 0: no cap
         server = _serve_checkpoints(ckpt_dir, host, port, token, warn, rate) if serve else None
-        try:
-            mesh = ElasticDeviceMesh(
+
+        def register() -> ElasticDeviceMesh:
+            return ElasticDeviceMesh(
                 cfg.mesh.coordinator,
                 host=host,
                 name=name,
@@ -85,6 +87,9 @@ class Membership:
                 sync_timeout=cfg.diloco.sync_timeout_s or None,  # 0: the coordinator's auto
                 wait_until_ready="auto",
             )
+
+        try:
+            mesh = _registered(register, warn)
         except BaseException:
             if server is not None:
                 server.close()
@@ -143,6 +148,26 @@ def register(
         dist.all_gather_object(told, membership.joining, group=group)
         assert len(set(told)) == 1, f"the node's ranks were told differently: {told}"
     return membership
+
+
+REGISTER_TRIES = 3  # registrations evicted before their admission, in a row, before giving up
+
+
+def _registered(register: Callable[[], ElasticDeviceMesh], warn) -> ElasticDeviceMesh:
+    """`register()`, again when the coordinator evicts it before admitting it: a founder
+    waiting for the run to form holds nothing of the run yet, and the coordinator says why
+    (the run re-formed from its members after a coordinator restart, so it joins them; or it
+    stalled past the heartbeat timeout while it waited)."""
+    from prime_mesh import MeshEvicted
+
+    for tries in range(1, REGISTER_TRIES + 1):
+        try:
+            return register()
+        except MeshEvicted as e:
+            if tries == REGISTER_TRIES:
+                raise
+            warn(f"evicted before it was admitted ({e}); registering again")
+    raise AssertionError("unreachable")
 
 
 def settings_summary(cfg: Config) -> dict[str, str]:
