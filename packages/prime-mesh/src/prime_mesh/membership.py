@@ -223,7 +223,7 @@ class Membership(MembershipViews):
             self.gone.add(node.key)
             if node.key in self.joiners:
                 self.joiners.remove(node.key)
-            if node.resume is not None and not self.members:  # the re-formation waits not
+            if node.resume is not None and not self.members:  # not waited for by a re-formation
                 self._reform_departed.add(node.node_id)
             if not logged:
                 log_departure(node, reason)

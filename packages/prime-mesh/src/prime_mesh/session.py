@@ -76,7 +76,7 @@ class Session:
         keeps it (MeshNameTaken)."""
         t0 = time.monotonic()
         deadline = t0 + self.heartbeat_timeout + 2 * self.heartbeat_interval
-        told = False
+        told = unreachable_told = False
         while True:
             try:
                 return self.open(first)
@@ -86,9 +86,9 @@ class Session:
                     raise CoordinatorUnreachable(
                         f"{e} (waited {waited:.0f} s)" if waited >= 1 else str(e)
                     ) from None
-                if not told:
+                if not unreachable_told:
                     log.warning("%s; retrying for up to %g s", e, self.unreachable_grace)
-                    told = True
+                    unreachable_told = True
                 time.sleep(min(1.0, self.unreachable_grace))
             except MeshNameTaken as e:
                 if time.monotonic() >= deadline:
