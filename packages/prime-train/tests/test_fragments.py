@@ -8,12 +8,12 @@ progress made while it was in flight; a run resumed from a checkpoint taken with
 flight ends exactly as the uninterrupted one)."""
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from prime_mesh import MeshError
 from prime_testkit import WorldMesh, gloo_world
 from prime_train.config import Config, DilocoConfig
 from prime_train.config_load import check_combined
@@ -190,11 +190,19 @@ def test_a_listeners_round_averages_the_members_fragment(children):
     assert listener["digest"] == member["digest"], (listener["outer"], member["outer"])
 
 
+class NotAdmitted:
+    """A joiner's mesh before its admission: it holds no group yet."""
+
+    @property
+    def installed_group(self) -> tuple[int, tuple[str, ...]]:
+        raise MeshError("not admitted yet")
+
+
 def test_one_fragment_is_todays_layout():
     model = Transformer(model_args("debug", n_layers=2))
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
-    one = Diloco(DilocoConfig(), SimpleNamespace(state="joining"), params, names=names)
+    one = Diloco(DilocoConfig(), NotAdmitted(), params, names=names)
     assert one.optimizer.digest() == OuterOptimizer(params).digest()
     assert one.period == DilocoConfig().inner_steps
 

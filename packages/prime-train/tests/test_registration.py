@@ -1,18 +1,22 @@
 """A node's registration with the run's mesh (`diloco/membership.py`): a node told to found
 the run at a restarted coordinator, which the run's members then re-form, is evicted before
 its admission and registers again, as a joiner (churn seed 16). A real coordinator, a
-reconnecting member that says what it held, and the trainer's `Membership.join`."""
+reconnecting member that says what it held, and the trainer's `Membership.join`. And a
+joiner whose coordinator went away before its outer step was built: the outer step is built
+(the join then finds the coordinator gone and registers again), not a CoordinatorLost."""
 
 import threading
 
 import pytest
 
-from prime_mesh import Coordinator
+from prime_mesh import Coordinator, CoordinatorLost, ElasticDeviceMesh
 from prime_mesh.client import CoordinatorClient
 from prime_mesh.wire import resolve_token
 from prime_testkit import wait_until
-from prime_train.config import Config
+from prime_train.config import Config, DilocoConfig
+from prime_train.diloco import Diloco
 from prime_train.diloco.membership import Membership
+from prime_train.model import Transformer, model_args
 
 TOKEN = "test-token-registration"
 
@@ -57,3 +61,32 @@ def test_a_founder_the_run_re_formed_without_registers_again_as_a_joiner(tmp_pat
         if member is not None:
             member.close()
         coord.close()
+
+
+def _lost(mesh: ElasticDeviceMesh) -> bool:
+    try:
+        mesh.state  # noqa: B018 (the check raises what the connection's end left)
+    except CoordinatorLost:
+        return True
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_an_outer_step_is_built_for_a_joiner_whose_coordinator_went_away():
+    """Churn seed 0 (stop 42): a node registered as a joiner, and the coordinator was killed
+    before the node built its outer step, which asked the mesh for its state: the node exited
+    1 on CoordinatorLost instead of registering again once its join began."""
+    coord = Coordinator("127.0.0.1", 0, token=TOKEN, min_nodes=1).start()
+    mesh = ElasticDeviceMesh(coord.address, host="127.0.0.1", token=TOKEN, wait=False)
+    try:
+        coord.close()
+        wait_until(lambda: _lost(mesh), 30, what="the joiner seeing its coordinator gone")
+        model = Transformer(model_args("debug", n_layers=2))
+        names = [n for n, _ in model.named_parameters()]
+        outer = Diloco(DilocoConfig(), mesh, list(model.parameters()), names=names)
+        assert outer.rounds.last_epoch is None  # not admitted: its first round says the epoch
+    finally:
+        try:
+            mesh.close()
+        except CoordinatorLost:  # (nothing left to leave)
+            pass

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from prime_mesh import MeshError
 from prime_train import faults
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
@@ -115,9 +116,9 @@ class Diloco(JoinSide):
         self.admitted_now = False  # this member's last round admitted a node (checkpoint)
         # the node's own passes over the model since the last row (the rows' `outer_own_s`)
         self.own_seconds = 0.0
-        if mesh.state == "member":  # a joiner is not admitted before its first step
-            self.rounds.last_epoch = mesh.epoch
-            self.rounds.nodes_now = mesh.global_world_size
+        with suppress(MeshError):  # a joiner: not admitted yet (a lost coordinator: not raised)
+            self.rounds.last_epoch, members = mesh.installed_group
+            self.rounds.nodes_now = len(members)
 
     # -- rounds -----------------------------------------------------------------------------
 
