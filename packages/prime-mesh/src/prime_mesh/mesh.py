@@ -111,7 +111,7 @@ class ElasticDeviceMesh(MeshViews):
         self._fresh = False  # admitted at a sync point the members passed, not yet used
         self._local_mesh: Any = None
         self._deadline = CollectiveDeadline(margin=heartbeat_timeout + heartbeat_interval)
-        self.coordinator_grace_s = coordinator_grace_s
+        self.coordinator_grace_s, self.sync_timeout = coordinator_grace_s, sync_timeout
         self._outer: tuple[int, str] = (0, "")  # last committed outer step and weight hash
         self.norm_outlier: str | None = None  # see `maybe_reinit_global_pg`
         self.agreed_outer: tuple[int, str] | None = None  # see should_commit
@@ -140,7 +140,6 @@ class ElasticDeviceMesh(MeshViews):
         )
         if auto:
             self._ready = not self._session.joining
-        self.sync_timeout = sync_timeout
         try:
             log.info(
                 "%s local rank %d registered with %s (gloo host %s)",
