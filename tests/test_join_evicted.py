@@ -33,6 +33,7 @@ H = 10
 STEPS = 200  # node 0 alone takes about a minute: node 1 joins well before its end
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H}
 HOLD = {"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}
+NOTHING = "no node forming it anew holds a checkpoint"  # NothingToFormFrom, then again
 
 
 def start_joiner_once_outer_step(
@@ -96,23 +97,26 @@ def test_a_joiner_evicted_before_admission_joins_again(tmp_path, token_cache, ch
 def test_a_joiner_whose_run_lost_every_member_forms_it_anew_with_a_node_back(
     tmp_path, token_cache, children
 ):
-    """Two founders (the coordinator's min_nodes 2), node 2 joining; both founders stop. Node 2
-    is sent away, registers again as a founder and waits for a second one; node 0, run again,
-    holds the newest checkpoint (its stop's): the two form the run and resume from it (node 2
-    may hold it, a snapshot fetched before the members left; else it joins the run node 0
-    forms). Churn seed 21 (issue #33): such a node waited for members forever."""
+    """Two founders (the coordinator's min_nodes 2) that serve snapshots at 0.2 Mbit/s, node
+    2 joining; both founders stop before its snapshot can come. Node 2 is sent away and
+    registers again as a founder holding nothing: it does not start the run over but leaves
+    and waits (`NothingToFormFrom`, registering again). Node 0, run again at the usual rate,
+    holds the newest checkpoint (its stop's): it founds the run with node 2, which lacks
+    that step and joins it. Churn seed 21 (issue #33): such a node waited for members
+    forever."""
     folders = [tmp_path / f"node{k}" for k in range(3)]
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     node = {"coordinator": coord.address, "cache": token_cache, **NODE}
     try:
-        p0, p1 = (start_cli_node(children, f, **node) for f in folders[:2])
+        slow = {**node, "args": ["--mesh.serve_mbit", "0.2"]}  # the 8.7 MB snapshot: ~6 min
+        p0, p1 = (start_cli_node(children, f, **slow) for f in folders[:2])
         p2 = start_joiner_once_outer_step(children, coord, tmp_path, token_cache, 2, 2, **NODE)
         for p in (p0, p1):  # every member leaves while node 2 joins
             p.send_signal(signal.SIGTERM)
         stopped = [wait_exit(p, 120, tmp_path / f"node{k}.log") for k, p in enumerate((p0, p1))]
         log2 = tmp_path / "node2.log"
-        wait_until(lambda: "lost its place while joining" in log2.read_text()
-                   or p2.poll() is not None, 120, what="node 2 sent away")  # fmt: skip
+        wait_until(lambda: NOTHING in log2.read_text() or p2.poll() is not None, 120,
+                   what="node 2 forming the run anew, holding nothing")  # fmt: skip
         p0 = start_cli_node(children, folders[0], **node)
         codes = [wait_exit(p, 240, tmp_path / f"node{k}.log") for k, p in ((0, p0), (2, p2))]
     finally:
@@ -123,15 +127,12 @@ def test_a_joiner_whose_run_lost_every_member_forms_it_anew_with_a_node_back(
     resumed = re.search(r"resumed from the step-(\d+) checkpoint", log0)  # (its second life)
     assert resumed, log0[-3000:]
     newest = int(resumed.group(1))
-    # node 2 holds that step too (a snapshot it fetched before the members left) and resumes
-    # from it with node 0, or lacks it and joins the run node 0 forms
+    assert "lost its place while joining" in log2 and "no node forming it anew" in log2
+    assert f"founding node(s) hold step {newest}" in log2, log2[-3000:]
     joined = [r for r in folder_metrics(folders[2]) if r.get("joined")]
-    if f"resumed from the step-{newest} checkpoint" in log2:
-        assert not joined, joined
-    else:
-        assert f"founding node(s) hold step {newest}" in log2, log2[-3000:]
-        assert len(joined) == 1 and joined[0]["fetch_bytes"] > 0, joined
+    assert len(joined) == 1 and joined[0]["fetch_bytes"] > 0 and joined[0]["step"] >= newest
     outer0, outer2 = (outer_by_step(folder_metrics(folders[k])) for k in (0, 2))
+    assert all(r["step"] >= joined[0]["step"] for r in outer2.values())  # no run of its own
     after = [k for k, r in outer2.items() if r["step"] > newest]
     assert max(outer0) == max(outer2) == STEPS // H and outer0[STEPS // H]["nodes"] == 2
     assert after and all(outer2[k]["outer_sha256"] == outer0[k]["outer_sha256"] for k in after)
