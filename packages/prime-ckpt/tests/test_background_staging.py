@@ -52,6 +52,41 @@ def test_save_returns_before_the_copy_and_the_checkpoint_holds_the_values_at_sav
         assert [(c.step, c.tier) for c in mgr.list()] == [(1, "ram"), (1, "disk")]
 
 
+def test_a_wait_for_the_first_keys_returns_before_the_later_ones_are_copied(tmp_path):
+    """`wait_staged(keys)`: the tensors are copied in the state's order, and a caller may
+    change those under the first keys once they are, while the rest is still being copied
+    (a trainer's optimizer step waits for the model and its own state only)."""
+    with CheckpointManager(tmp_path / "ckpt", shm_dir=tmp_path / "shm") as mgr:
+        gate, paused = threading.Event(), threading.Event()
+        stage = mgr._stager.stage
+
+        def stage_pausing_after_w(step, items, total, meta, copied=None):
+            def told(key: str) -> None:
+                copied(key)
+                if key == "w":  # the fill pauses here, "opt" not copied yet
+                    paused.set()
+                    assert gate.wait(60), "never released"
+
+            return stage(step, items, total, meta, told)
+
+        mgr._stager.stage = stage_pausing_after_w
+        live = state(1.0)
+        handle = mgr.save(1, live, stage_in_background=True)
+        assert paused.wait(60)
+        mgr.wait_staged(("w",))  # returns while the copy is paused
+        assert not handle.staged(0) and not handle.staged(0, keys=("opt",))
+        live["w"].fill_(9.0)  # the caller's change: "w" was copied before it
+        gate.set()
+        mgr.wait_staged()
+        assert handle.staged(0, keys=("opt",))
+        live["opt"]["m"].fill_(9.0)
+        handle.wait(60)
+        target = state(0.0)
+        assert mgr.load(1, target) == 1
+        assert torch.equal(target["w"], state(1.0)["w"])
+        assert torch.equal(target["opt"]["m"], state(1.0)["opt"]["m"])
+
+
 def test_a_load_waits_for_the_staging_it_would_write_under(tmp_path):
     with CheckpointManager(tmp_path / "ckpt", shm_dir=tmp_path / "shm") as mgr:
         mgr.save(1, state(1.0)).wait(60)

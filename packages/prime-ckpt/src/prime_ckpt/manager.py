@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,7 @@ from prime_ckpt.loading import Loading
 from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
 from prime_ckpt.records import SaveHandle, parse_keep
 from prime_ckpt.remote import RemoteStore, Uploader
-from prime_ckpt.staging import (
-    DirectWriter,
-    PendingStage,
-    StagingFailed,
-    ram_tier,
-    staging_failure,
-)
+from prime_ckpt.staging import DirectWriter, PendingStage, StagingFailed, ram_tier, staging_failure
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
 from prime_ckpt.writer import (
     DISK_TIMEOUT_S,
@@ -163,6 +157,7 @@ class CheckpointManager(Loading):
                 return handle
         elif stage_in_background:
             slot = PendingStage(items, total, meta)
+            handle.expect_copies(dict.fromkeys(it.path[0] for it in items))
         else:
             try:
                 slot = self._stager.stage(step, items, total, meta)
@@ -174,12 +169,13 @@ class CheckpointManager(Loading):
         self._jobs.put((handle, slot, dict(metadata or {})))
         return handle
 
-    def wait_staged(self) -> None:
-        """Block until the last save is done with the state's tensors (see `save`'s
-        `stage_in_background`). Bounded by `disk_timeout`: past it that save is given up on
-        (reported failed; it will not be committed) and this returns."""
+    def wait_staged(self, keys: Iterable[str] | None = None) -> None:
+        """Block until the last save is done with the state's tensors (`save`'s
+        `stage_in_background`), or with those under top-level `keys` (copied in the state's
+        order). Past `disk_timeout` that save is given up on (reported failed); then this
+        returns."""
         handle = self._inflight
-        if handle is not None and not handle.staged(self.disk_timeout):
+        if handle is not None and not handle.staged(self.disk_timeout, keys):
             self._expire(handle)
 
     def _write_direct(self, handle: SaveHandle, items: list, total: int, meta: bytes) -> bool:
@@ -285,7 +281,8 @@ class CheckpointManager(Loading):
         step = handle.step
         if isinstance(slot, PendingStage):  # save()'s copy into RAM, made here
             try:
-                slot = self._stager.stage(step, slot.items, slot.total, slot.meta)
+                slot = self._stager.stage(step, slot.items, slot.total, slot.meta,
+                                          handle.mark_copied)  # fmt: skip
             except OSError as e:
                 raise StagingFailed(staging_failure(step, self.shm_dir, e)) from None
             finally:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ class SaveHandle:
         self._done = threading.Event()  # ended for the caller: committed, failed or expired
         self._ended = threading.Event()  # the writer thread is finished with it
         self._staged = threading.Event()  # the state's tensors were copied (or never will be)
+        self._copied: dict[str, threading.Event] = {}  # the same, by top-level key of the state
         self._lock = threading.Lock()
         self._on_report = on_report
         self._bound = bound
@@ -55,14 +57,35 @@ class SaveHandle:
             self._on_expire(self)
         return self._done.is_set()
 
-    def staged(self, timeout: float | None = None) -> bool:
+    def staged(self, timeout: float | None = None, keys: Iterable[str] | None = None) -> bool:
         """Whether the save is done with the state's tensors (copied into its staging slot, or
-        given up on): from then on the caller may change them. False past `timeout`."""
-        return self._staged.wait(timeout)
+        given up on): from then on the caller may change them. `keys`: only the tensors under
+        these top-level keys of the state (copied in the state's order). False past
+        `timeout`."""
+        if keys is None:
+            return self._staged.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for key in keys:
+            event = self._copied.get(key)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if event is not None and not event.wait(left):
+                return False
+        return True
+
+    def expect_copies(self, keys: Iterable[str]) -> None:
+        """The top-level keys whose tensors a background copy will mark (by the manager)."""
+        self._copied = {key: threading.Event() for key in keys}
+
+    def mark_copied(self, key: str) -> None:
+        """The tensors under top-level key `key` were copied (by the manager's stager)."""
+        if key in self._copied:
+            self._copied[key].set()
 
     def mark_staged(self) -> None:
         """The save no longer reads the state's tensors (by the manager)."""
         self._staged.set()
+        for event in self._copied.values():
+            event.set()
 
     def finish(self, error: str | None = None) -> None:
         """Mark the save ended (by the manager's writer thread); `error` says why it failed."""
@@ -70,7 +93,7 @@ class SaveHandle:
             if error is not None and not self._done.is_set():
                 self.error = error
             self._done.set()
-        self._staged.set()
+        self.mark_staged()
         self._ended.set()
 
     def fail(self, error: str, counted: Callable[[], None] | None = None) -> bool:

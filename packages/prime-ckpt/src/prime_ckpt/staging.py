@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,12 +126,20 @@ class Stager:
         self._buffers[i] = (total, buf)
         return buf
 
-    def stage(self, step: int, items: list[TensorItem], total: int, meta: bytes) -> int:
-        """Copy the tensors into a free slot; returns the slot index."""
+    def stage(
+        self,
+        step: int,
+        items: list[TensorItem],
+        total: int,
+        meta: bytes,
+        copied: Callable[[str], object] | None = None,
+    ) -> int:
+        """Copy the tensors into a free slot; returns the slot index. `copied(key)` as the
+        tensors under each top-level key of the state are copied."""
         i = self._pick()
         slot = self.slots[i]
         (slot / MANIFEST_NAME).unlink(missing_ok=True)
-        fill(self._buffer(i, total), items, step, self._pool)
+        fill(self._buffer(i, total), items, step, self._pool, copied)
         (slot / meta_name(self.rank)).write_bytes(meta)
         return i
 
@@ -164,14 +173,26 @@ def map_file(path: Path, total: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 
 
-def fill(buf: torch.Tensor, items: list[TensorItem], step: int, pool: ThreadPoolExecutor) -> None:
-    """Copy every written tensor of `items` to its offset in `buf`; the `stage` fault point
-    sits half-way."""
+def fill(
+    buf: torch.Tensor,
+    items: list[TensorItem],
+    step: int,
+    pool: ThreadPoolExecutor,
+    copied: Callable[[str], object] | None = None,
+) -> None:
+    """Copy every written tensor of `items` to its offset in `buf`, in order, saying
+    `copied(key)` once those under each top-level key are (a caller may then change them);
+    the `stage` fault point sits half-way."""
     half = len(items) // 2
     dst_np = buf.numpy()
     chunks: list[tuple[Any, Any]] = []
     with torch.no_grad():
         for n, it in enumerate(items):
+            if n and it.path[0] != items[n - 1].path[0]:  # a top-level key's tensors end
+                _copy(chunks, pool)
+                chunks = []
+                if copied is not None:
+                    copied(items[n - 1].path[0])
             if n == half:
                 _copy(chunks, pool)
                 chunks = []
@@ -188,6 +209,8 @@ def fill(buf: torch.Tensor, items: list[TensorItem], step: int, pool: ThreadPool
                 dst = buf[it.offset : it.offset + it.nbytes].view(dtype_from_name(it.dtype))
                 dst.view(it.shape).copy_(t)
         _copy(chunks, pool)
+    if items and copied is not None:
+        copied(items[-1].path[0])
 
 
 def _copy(chunks: list[tuple[Any, Any]], pool: ThreadPoolExecutor) -> None:

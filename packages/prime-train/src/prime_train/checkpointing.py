@@ -27,6 +27,9 @@ def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, d
     return {name: opt.state[p] for name, p in model.named_parameters()}
 
 
+STEPPED = ("model", "optim")  # the keys of `train_state` whose tensors an optimizer step changes
+
+
 def train_state(
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -141,11 +144,11 @@ class Checkpointer:
         )
         self.last_saved = step
 
-    def wait_staged(self) -> float:
-        """Block until the last save copied the state (a load waits by itself); returns the
-        seconds waited."""
+    def wait_staged(self, keys: tuple[str, ...] | None = None) -> float:
+        """Block until the last save copied the state, or the tensors under its top-level
+        `keys` (a load waits by itself); returns the seconds waited."""
         t0 = time.perf_counter()
-        self.manager.wait_staged()
+        self.manager.wait_staged(keys)
         return time.perf_counter() - t0
 
     def load_latest(self, state: dict[str, Any]) -> int | None:

@@ -253,7 +253,9 @@ class Run:
 
     def _before_optimizer_step(self, *_: Any) -> None:
         self.spill.wait()
-        self._staging_wait_s += self.ckpt.wait_staged()
+        # the step changes the model and its own state; the outer state a checkpoint copies
+        # after them changes only at the next outer step, which waits for the whole copy
+        self._staging_wait_s += self.ckpt.wait_staged(checkpointing.STEPPED)
 
     def take_staging_wait(self) -> float:
         """Seconds the optimizer steps since the last call waited for a checkpoint's copy into
