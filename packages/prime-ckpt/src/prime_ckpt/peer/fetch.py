@@ -263,6 +263,7 @@ class PeerFetch:
     bytes_by_donor: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     primaries: int = 1  # checkpoints started (> 1: every donor of one died mid-transfer)
+    commit_seconds: float = 0.0  # of `seconds`, the fsync and rename once every byte was in
 
 
 def _primary_metas(
@@ -363,7 +364,9 @@ def fetch_checkpoint(
             pending = [o for o in offers if o.step == offer.step and o.url in live] or None
             continue
         served.update(download.by_donor)
+        t_commit = time.monotonic()
         if _commit(folder, target, offer):
             _log_fetched(offer.step, target, download, time.monotonic() - t0)
-        return PeerFetch(offer.step, donors[0], dict(served), time.monotonic() - t0, attempt)
+        now = time.monotonic()
+        return PeerFetch(offer.step, donors[0], dict(served), now - t0, attempt, now - t_commit)
     raise PeerGoneError(f"every donor died during the transfer (tried {len(urls)})")

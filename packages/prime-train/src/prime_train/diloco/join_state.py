@@ -23,6 +23,8 @@ class JoinedRow:
     fetched_step: int = 0
     fetch_bytes: int = 0
     fetch_seconds: float = 0.0
+    fetch_held_seconds: float = 0.0  # of those, held while the rounds' all-reduces ran
+    fetch_commit_seconds: float = 0.0  # of those, the fsync once it was all in
     snapshot_donors: dict[str, int] = field(default_factory=dict)  # node -> snapshot bytes
     load_seconds: float = 0.0
     snapshots: int = 0  # snapshots loaded (a try that lost its place takes a new one)

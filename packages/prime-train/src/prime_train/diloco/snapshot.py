@@ -61,6 +61,8 @@ class Snapshot:
     bytes: int
     seconds: float
     donors: dict[str, int] = field(default_factory=dict)  # node -> bytes it served
+    held_seconds: float = 0.0  # of `seconds`, held while the rounds' all-reduces ran
+    commit_seconds: float = 0.0  # of `seconds`, making it durable (fsync) once all was in
 
 
 def _newest(urls: list[str], token: str | None) -> int | None:
@@ -89,12 +91,11 @@ def fetch_members_state(
     ckpt_dir: Path,
     newer_than: int | None,
     shared: list[tuple],
-    pace: Callable[[int], object] | None = None,
+    gate: LinkGate,
 ) -> Snapshot:
     """On the node's local rank 0: wait (bounded) until a donor offers a checkpoint newer than
     `newer_than` that this node's folder does not hold, then fetch it from every member at
-    once (`shared`: the tensors they hold alike). `pace`: see `prime_ckpt.fetch_checkpoint`
-    (a listener's `LinkGate.wait`)."""
+    once (`shared`: the tensors they hold alike), each read paced by `gate`."""
     token = membership.token
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     gone_since: float | None = None  # since when no member serves
@@ -123,8 +124,8 @@ def fetch_members_state(
                 "their checkpoint servers are reachable from this machine"
             )
         time.sleep(POLL_S)
-    t0 = time.monotonic()
-    got, names = _fetch_from_members(membership, ckpt_dir, shared, pace)
+    t0, held0 = time.monotonic(), gate.held_seconds
+    got, names = _fetch_from_members(membership, ckpt_dir, shared, gate.wait)
     served: dict[str, int] = {}
     for url, n in got.bytes_by_donor.items():
         who = names.get(url, url)
@@ -135,6 +136,8 @@ def fetch_members_state(
         bytes=_folder_bytes(ckpt_dir / step_dirname(got.step)),
         seconds=time.monotonic() - t0,
         donors=served,
+        held_seconds=gate.held_seconds - held0,
+        commit_seconds=got.commit_seconds,
     )
 
 
@@ -212,6 +215,7 @@ class LinkGate:
         self._open.set()
         self._lock = threading.Lock()
         self._next = time.monotonic()  # when the cap lets the next read start
+        self.held_seconds = 0.0  # held so far, in all
 
     def wait(self, n: int) -> None:
         """Before each read of `n` bytes of the snapshot: wait while the gate is held, then
@@ -230,10 +234,12 @@ class LinkGate:
     def held(self) -> Iterator[None]:
         """The round's collective runs: the snapshot waits."""
         self._open.clear()
+        t = time.monotonic()
         try:
             yield
         finally:
             self._open.set()
+            self.held_seconds += time.monotonic() - t
             with self._lock:  # no burst to make up for the time held
                 self._next = max(self._next, time.monotonic())
 
@@ -268,9 +274,7 @@ class Background:
     def _run(self) -> None:
         membership, ckpt_dir, shared = self._args
         try:
-            self.got = fetch_members_state(
-                membership, ckpt_dir, self.baseline, shared, pace=self.gate.wait
-            )
+            self.got = fetch_members_state(membership, ckpt_dir, self.baseline, shared, self.gate)
         except BaseException as e:  # told to the listener at its next round
             self.failed = e
 
@@ -294,6 +298,8 @@ def load_snapshot(run: Run, outer: ElasticOuterStep, joining: Joining, got: Snap
     row.fetched_step, row.donor, row.snapshots = got.step, got.donor, row.snapshots + 1
     row.fetch_bytes += got.bytes
     row.fetch_seconds += got.seconds
+    row.fetch_held_seconds += got.held_seconds
+    row.fetch_commit_seconds += got.commit_seconds
     for who, n in got.donors.items():
         row.snapshot_donors[who] = row.snapshot_donors.get(who, 0) + n
     joining.step, joining.waiting = got.step, False
@@ -301,8 +307,9 @@ def load_snapshot(run: Run, outer: ElasticOuterStep, joining: Joining, got: Snap
     served = ", ".join(f"{n} {b / 1e6:.2f} MB" for n, b in sorted(got.donors.items()))
     run.log.info(
         f"fetched the step-{got.step} checkpoint while listening: {got.bytes / 1e6:.2f} MB "
-        f"in {got.seconds:.2f} s ({mbps:.1f} MB/s) from {served or got.donor} (its own state "
-        f"from {got.donor}), loaded in {time.monotonic() - t:.2f} s"
+        f"in {got.seconds:.2f} s ({mbps:.1f} MB/s; held {got.held_seconds:.2f} s for the "
+        f"rounds' all-reduces, fsync {got.commit_seconds:.2f} s) from {served or got.donor} "
+        f"(its own state from {got.donor}), loaded in {time.monotonic() - t:.2f} s"
     )
 
 
