@@ -251,3 +251,31 @@ def test_a_sync_point_tells_the_node_whose_norm_is_far_outside_the_others():
     assert "L2 norm 30 is more than 10 x the median" in replies[2]["outlier"], replies[2]
     _sync_all(m, nodes)  # (request id 1 again: the next sync point, no norms stated)
     assert all("outlier" not in conn.replies(1)[-1] for _, conn in nodes)
+
+
+def test_a_run_whose_members_all_listen_forms_anew():
+    """Its last contributor left, and every member arrives at the sync point listening: none
+    holds the run's state (churn, stop 42: such a run committed empty rounds for 15 minutes
+    while its joiners waited for a checkpoint nobody could make). Every member is evicted,
+    told to register again, and so is a node waiting to join: the run forms anew from the
+    newest checkpoint any of them holds."""
+    m = Membership(min_nodes=2)
+    (a, ca), (b, cb), (c, cc) = _register(m, "a"), _register(m, "b"), _register(m, "c")
+    _listening_round(m, [(a, ca), (b, cb), (c, cc)], c)  # "c" listens; "a" and "b" contribute
+    assert len(m.members) == 3
+    m.leave(a, completed=False)
+    m.leave(b, completed=False)  # the contributors are gone: "c" is the only member
+    d, cd = _register(m, "d", ready="auto")  # a node joining meanwhile
+    assert states_by_key(m) == {"c": "member", "d": "waiting"}  # (fetching state)
+    m.sync(c, 0, cc, 7, {"epoch": m.epoch, "admit": True, "listening": True})
+    assert not m.members and not m.nodes, m.status()
+    evicted = {k: [x for x in conn.sent if x.get("type") == "evicted"] for k, conn in
+               (("c", cc), ("d", cd))}  # fmt: skip
+    assert "only listening" in evicted["c"][0]["reason"], evicted
+    assert "no members left" in evicted["d"][0]["reason"], evicted
+
+    # with a contributor among them the sync point passes as before
+    m2 = Membership(min_nodes=2)
+    (a, ca), (b, cb) = _register(m2, "a"), _register(m2, "b")
+    _listening_round(m2, [(a, ca), (b, cb)], b)
+    assert len(m2.members) == 2 and ca.replies(2) and cb.replies(2)

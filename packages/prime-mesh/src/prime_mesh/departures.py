@@ -23,6 +23,12 @@ ORPHANED = (
     'the run it was joining has no members left; register again (ready "auto"): the nodes '
     "that come back form it anew"
 )
+# the eviction of every member of a run whose members all arrived at a sync point listening
+# (its last contributor left): none holds its state, and no joiner could ever get it from them
+STATELESS = (
+    "every member of the run was only listening (its last contributor left, none holds its "
+    'state); register again (ready "auto"): the nodes form it anew from their newest checkpoints'
+)
 # the eviction of a node told to found the run at a restarted coordinator before the run's
 # members came back to it: the run re-formed from them, and this node is to join it
 REFORMED = (

@@ -13,12 +13,12 @@ A node's states (`status()` shows them):
     waiting:     all registered and heartbeating, but not every local rank has said it is
                  ready (a joiner still fetching a checkpoint): never admitted, never waited for;
     joining:     ready; admitted at the members' next sync point, in the order nodes became
-                 ready (or forms the first epoch once `min_nodes` nodes are joining). A node
-                 registered to join a running run (`ready: "auto"`) whose every member then
-                 left is evicted, told to register again: it is a founder then. One told to
-                 found the run at a restarted coordinator, which the run's members then
-                 re-form, is evicted so too: it joins them;
+                 ready (or forms the first epoch once `min_nodes` nodes are joining);
     member:      in the current epoch.
+Nodes told to register again (a founder then, or a joiner): one registered to join a run
+(`ready: "auto"`) whose every member left, or whose members all arrived at a sync point
+listening (its last contributor left: nobody holds its state); one told to found the run at
+a restarted coordinator that the run's members then re-form.
 A local rank is ready at registration unless it registered with `ready: False`; it says so
 later with a `ready` message. A node that dies before it is a member changes no epoch.
 """
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prime_mesh.departures import ORPHANED, REFORMED, Departures, log_departure
+from prime_mesh.departures import ORPHANED, REFORMED, STATELESS, Departures, log_departure
 from prime_mesh.membership_views import MembershipViews
 from prime_mesh.node import Conn, Node, fresh_id, name_held
 from prime_mesh.progress import History
@@ -201,8 +201,7 @@ class Membership(MembershipViews):
 
     def evict_all(self, nodes: list[Node], reason: str) -> None:
         """Evict `nodes` (those still here) for `reason` at once; the members that stay get
-        one new epoch (several late members are left out of a sync point together), with
-        the departures batched so far."""
+        one new epoch (late members left out together), with the departures batched so far."""
         for node in nodes:
             if self.nodes.get(node.key) is node:
                 log_departure(node, reason)
@@ -332,6 +331,9 @@ class Membership(MembershipViews):
         passed = self.pending.sync_passed(self._required(), self.clock())
         if passed is None:
             return
+        if self.pending.listening >= self._required():  # (then its joiners are orphans)
+            self.evict_all([self.nodes[k] for k in self.members], STATELESS)
+            return
         all_admit, failed = passed
         admit = all_admit and self.joiners
         if admit or failed:
@@ -361,9 +363,8 @@ class Membership(MembershipViews):
             n.metadata.get("config_hash") == self.completed for n in self.nodes.values()
         ):
             return  # nodes of the completed run: nothing left to train (they are told so)
-        # nodes registered to join a run that has lost every member: nobody is left to hand
-        # them its state, so they register again (as founders: the run has no members) and
-        # the run forms anew from the newest state any of them holds
+        # joining a run with no members: nobody can hand them its state; they register again
+        # as founders, and the run forms anew from the newest state any of them holds
         orphans = [n for n in self.nodes.values() if n.joining]
         if orphans:
             self.evict_all(orphans, ORPHANED)
