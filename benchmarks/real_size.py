@@ -20,8 +20,12 @@ uint8, synthetic data, a checkpoint every 10 steps, 2 kept); once the members co
   over rounds that followed no checkpoint; checkpoint blocking: the same median over the
   rounds that followed a checkpoint, less that one;
 - the same passes timed alone in this process, before the job, each over the memcpy;
-- for the joiner: the snapshot's bytes and MB/s, start to first contribution;
-- exit codes and seconds from SIGTERM to exit.
+- for the joiner: the snapshot's bytes and MB/s, the seconds it was held for the rounds'
+  all-reduces and its final fsync took, and the MB/s without them (`snapshot_moving_MB_s`),
+  start to first contribution;
+- exit codes and seconds from SIGTERM to exit; the checkpoint errors the node's summary
+  counts, and whether its final checkpoint reached its folder (`--remote hung|refused`:
+  `ckpt.remote` at an S3 endpoint that never answers or refuses, the stopping variants).
 Writes real_size.json into --out (default: a new temporary folder); exits 1 when a node did
 not exit 0 after SIGTERM or the joiner's hash differs from the members'.
 `measure(...)` is what tests/test_real_size.py runs at ~20M parameters.
@@ -31,24 +35,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests" / "support")]
 
-from prime_testkit.children import Children, descendants, wait_until  # noqa: E402
+from node_sampler import Sampler  # noqa: E402
+
+from prime_testkit.children import Children, wait_until  # noqa: E402
 from prime_testkit.cli_node import cli_node  # noqa: E402
 from prime_testkit.runs import folder_metrics, outer_rows  # noqa: E402
-
-FIELDS = ("RssAnon", "RssFile", "RssShmem", "VmHWM")
+from prime_testkit.s3 import CREDENTIALS, DeadS3  # noqa: E402
 
 
 def num_params(dim: int, n_layers: int, vocab_size: int | None) -> int:
@@ -162,67 +165,6 @@ def spill_seconds(numel: int) -> float:
     return best
 
 
-def _status(pid: int) -> dict[str, int]:
-    """The FIELDS of /proc/PID/status, in bytes (empty once the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return {}
-    got = {}
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key in FIELDS:
-            got[key] = int(value.split()[0]) * 1024
-    return got
-
-
-def _disk(folder: Path) -> int:
-    """Bytes allocated under `folder`."""
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-class Sampler(threading.Thread):
-    """Peaks of each node's memory (its process tree) and disk, sampled until `stop()`."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.nodes: dict[str, tuple[int, Path]] = {}
-        self.peak: dict[str, dict[str, int]] = {}
-        self._halt = threading.Event()
-
-    def watch(self, name: str, pid: int, folder: Path) -> None:
-        self.peak[name] = {"anon": 0, "staging": 0, "hwm": 0, "disk": 0}
-        self.nodes[name] = (pid, folder)
-
-    def run(self) -> None:
-        tick = 0
-        while not self._halt.wait(0.2):
-            tick += 1
-            for name, (pid, folder) in list(self.nodes.items()):
-                peak, st = self.peak[name], [_status(p) for p in descendants(pid)]
-                anon = sum(s.get("RssAnon", 0) for s in st)
-                staging = sum(s.get("RssFile", 0) + s.get("RssShmem", 0) for s in st)
-                peak["anon"], peak["staging"] = (
-                    max(peak["anon"], anon),
-                    max(peak["staging"], staging),
-                )
-                peak["hwm"] = max(peak["hwm"], sum(s.get("VmHWM", 0) for s in st))
-                if tick % 3 == 0:
-                    peak["disk"] = max(peak["disk"], _disk(folder))
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=10)
-
-
 def node_args(args: argparse.Namespace) -> list[str]:
     """The settings every node runs with (on top of tests' debug-config node)."""
     model = ["--model.preset", "150M", "--model.dim", str(args.dim),
@@ -266,12 +208,31 @@ def joiner_figures(rows: list[dict], started: float) -> dict:
                   and joined and r["time"] > joined["time"] - 1e-3), None)  # fmt: skip
     if joined is None:
         return {"joined": False}
+    moving = joined["fetch_seconds"] - joined["fetch_held_seconds"] - joined["fetch_commit_seconds"]
     return {
         "joined": True,
         "snapshot_bytes": joined["fetch_bytes"],
         "snapshot_MB_s": round(joined["fetch_bytes"] / 1e6 / max(joined["fetch_seconds"], 1e-9), 1),
+        # less the time held for the rounds' all-reduces and the final fsync: the bytes moving
+        "snapshot_held_s": round(joined["fetch_held_seconds"], 2),
+        "snapshot_fsync_s": round(joined["fetch_commit_seconds"], 2),
+        "snapshot_moving_MB_s": round(joined["fetch_bytes"] / 1e6 / max(moving, 1e-9), 1),
         "start_to_first_contribution_s": round(first["time"] - started, 1) if first else None,
     }
+
+
+def stop_figures(folder: Path) -> dict:
+    """From a node's summary: the checkpoint errors it counted, and whether the step it
+    stopped at is a committed checkpoint in its folder (the final one reached disk)."""
+    from prime_ckpt import committed_steps
+
+    found = sorted(folder.glob("runs/*/summary*.json"))
+    if not found:
+        return {"summary": False}
+    summary = json.loads(found[0].read_text())
+    steps = committed_steps(summary["checkpoint_dir"]) if summary["checkpoint_dir"] else []
+    return {"ckpt_errors": summary["ckpt_errors"], "stopped_at": summary["steps"],
+            "final_ckpt_on_disk": summary["steps"] in steps}  # fmt: skip
 
 
 def _contributed(folder: Path, rounds: int) -> bool:
@@ -309,6 +270,11 @@ def run_job(args: argparse.Namespace, work: Path, sampler: Sampler) -> tuple[dic
     coord = Coordinator("127.0.0.1", port=0, token=token, min_nodes=2).start()
     children, procs, started = Children(), {}, {}
     env = {"PRIME_MESH__HEARTBEAT_TIMEOUT_S": "20", "PRIME_MESH__SERVE_PORT": "0"}
+    dead, remote = DeadS3(args.remote) if args.remote else None, []
+    if dead is not None:
+        env.update(CREDENTIALS)
+        remote = ["--ckpt.remote", "s3://real-size/run",
+                  "--ckpt.remote_options", f'{{endpoint_url = "{dead.endpoint}"}}']  # fmt: skip
     try:
         for k, name in enumerate(["member0", "member1", "joiner"]):
             if name == "joiner":
@@ -318,7 +284,8 @@ def run_job(args: argparse.Namespace, work: Path, sampler: Sampler) -> tuple[dic
                            args.timeout, interval=1, what="the members' outer steps")  # fmt: skip
             argv, node_env = cli_node(work / name, coordinator=coord.address, host="127.0.0.1",
                                       token=token, cache=work / "cache", steps=100_000,
-                                      inner_steps=5, env=env, args=node_args(args))  # fmt: skip
+                                      inner_steps=5, env=env,
+                                      args=[*node_args(args), *remote])  # fmt: skip
             node_env["PRIME_MESH__HOST"] = "127.0.0.1"
             with open(work / f"{name}.log", "a") as out:
                 started[name] = time.time()
@@ -338,6 +305,8 @@ def run_job(args: argparse.Namespace, work: Path, sampler: Sampler) -> tuple[dic
     finally:
         children.kill_all()
         coord.close()
+        if dead is not None:
+            dead.close()
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
@@ -369,6 +338,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             **outer_figures(rows, memcpy_s),
             **(joiner_figures(rows, started[name]) if name == "joiner" else {}),
             **exits.get(name, {}),
+            **stop_figures(work / name),
         }
     same = all(h.get(k) in (None, v) for h in hashes.values() for k, v in hashes["member0"].items())
     return {"params": params, "interpreter": fixed, "memcpy_s": round(memcpy_s, 4),
@@ -385,6 +355,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--join-at", type=int, default=3, help="members' outer steps before the joiner")
     ap.add_argument("--joiner-rounds", type=int, default=2, help="its rounds before SIGTERM")
     ap.add_argument("--no-joiner", dest="joiner", action="store_false", help="members only")
+    ap.add_argument("--remote", choices=DeadS3.KINDS, default=None,
+                    help="ckpt.remote at an S3 endpoint that hangs or refuses (stopping with a "
+                    "remote that fails)")  # fmt: skip
     ap.add_argument("--stop-within-s", type=float, default=25.0, help="train.stop_within_s")
     ap.add_argument("--timeout", type=float, default=1800.0, help="bound on each wait, seconds")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: a temporary one)")

@@ -27,7 +27,8 @@ than one test file uses lives here, once, one module per concern.
 - ckpt: `make_checkpoint`, a committed prime-ckpt step folder written by hand;
   `donor_processes`: rate-limited `prime_ckpt.peer serve` donors, each with its URL.
 - gloo: `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
-- s3: `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`).
+- s3: `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`);
+  `DeadS3`: an endpoint that hangs or refuses.
 - pool, worker: `RankPool` (and the session-scoped `rank_pool` fixture): four rank processes
   in one gloo world, started once per session, that run test cases in groups of 1..4 ranks.
 
@@ -82,6 +83,7 @@ _LAZY = {
     "case_spec": "pool",
     "RankContext": "worker",
     "MotoS3": "s3",
+    "DeadS3": "s3",
     "CREDENTIALS": "s3",
 }
 
@@ -104,6 +106,7 @@ __all__ = [
     "FakeClock",
     "FakeConn",
     "form",
+    "DeadS3",
     "MotoS3",
     "Nodes",
     "RankContext",

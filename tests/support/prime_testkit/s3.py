@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -63,3 +65,45 @@ class MotoS3:
         for key in self.keys(bucket):
             if key.startswith(prefix):
                 self._client().delete_object(Bucket=bucket, Key=key)
+
+
+class DeadS3:
+    """An S3 endpoint that fails a node's uploads: `"hung"` accepts connections and never
+    answers (a remote that stalls), `"refused"` is a free port nobody listens on. `.endpoint`
+    is its URL; `close()` (or the `with` block's end) drops what it holds."""
+
+    KINDS = ("hung", "refused")
+
+    def __init__(self, kind: str):
+        if kind not in self.KINDS:
+            raise ValueError(f"DeadS3 kind {kind!r}: one of {', '.join(self.KINDS)}")
+        self._held: list[socket.socket] = []
+        self._server: socket.socket | None = None
+        if kind == "refused":
+            port = free_port()
+        else:
+            self._server = socket.create_server(("127.0.0.1", 0))
+            self._server.settimeout(0.5)
+            port = self._server.getsockname()[1]
+            threading.Thread(target=self._hold, args=(self._server,), daemon=True,
+                             name="dead-s3").start()  # fmt: skip
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def _hold(self, server: socket.socket) -> None:
+        while self._server is not None:
+            try:
+                conn, _ = server.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._held.append(conn)  # never read from, never answered
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        for s in [*self._held, *([server] if server else [])]:
+            s.close()
+
+    def __enter__(self) -> DeadS3:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
