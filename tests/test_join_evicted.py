@@ -9,7 +9,10 @@ Node 1 joins node 0's running job; it holds its `ready()` a while (the fault hoo
 - or (node 2, joining the run of nodes 0 and 1) every member stops (SIGTERM): the run has
   nobody left to join. Node 2 is sent away and registers again as a founder; node 0, run
   again with the same command, founds the run with it and resumes from its checkpoint, the
-  newest, and node 2 joins it (issue #33, churn seed 21).
+  newest, and node 2 joins it (issue #33, churn seed 21);
+- or node 1 listens to node 0's rounds and node 0 is SIGKILLed: node 1 is the only member and
+  holds none of the run's state; it is evicted, waits for a node with the run's state, and
+  joins node 0 run again.
 """
 
 import re
@@ -98,12 +101,11 @@ def test_a_joiner_whose_run_lost_every_member_forms_it_anew_with_a_node_back(
     tmp_path, token_cache, children
 ):
     """Two founders (the coordinator's min_nodes 2) that serve snapshots at 0.2 Mbit/s, node
-    2 joining; both founders stop before its snapshot can come. Node 2 is sent away and
-    registers again as a founder holding nothing: it does not start the run over but leaves
-    and waits (`NothingToFormFrom`, registering again). Node 0, run again at the usual rate,
-    holds the newest checkpoint (its stop's): it founds the run with node 2, which lacks
-    that step and joins it. Churn seed 21 (issue #33): such a node waited for members
-    forever."""
+    2 joining; both founders stop before its snapshot can come. Node 2 is sent away,
+    registers again as a founder holding nothing and waits for a second one (no run of its
+    own). Node 0, run again at the usual rate, holds the newest checkpoint (its stop's): it
+    founds the run with node 2, which lacks that step and joins it. Churn seed 21 (issue
+    #33): such a node waited for members forever."""
     folders = [tmp_path / f"node{k}" for k in range(3)]
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     node = {"coordinator": coord.address, "cache": token_cache, **NODE}
@@ -115,8 +117,8 @@ def test_a_joiner_whose_run_lost_every_member_forms_it_anew_with_a_node_back(
             p.send_signal(signal.SIGTERM)
         stopped = [wait_exit(p, 120, tmp_path / f"node{k}.log") for k, p in enumerate((p0, p1))]
         log2 = tmp_path / "node2.log"
-        wait_until(lambda: NOTHING in log2.read_text() or p2.poll() is not None, 120,
-                   what="node 2 forming the run anew, holding nothing")  # fmt: skip
+        wait_until(lambda: "lost its place while joining" in log2.read_text()
+                   or p2.poll() is not None, 120, what="node 2 sent away")  # fmt: skip
         p0 = start_cli_node(children, folders[0], **node)
         codes = [wait_exit(p, 240, tmp_path / f"node{k}.log") for k, p in ((0, p0), (2, p2))]
     finally:
@@ -127,7 +129,6 @@ def test_a_joiner_whose_run_lost_every_member_forms_it_anew_with_a_node_back(
     resumed = re.search(r"resumed from the step-(\d+) checkpoint", log0)  # (its second life)
     assert resumed, log0[-3000:]
     newest = int(resumed.group(1))
-    assert "lost its place while joining" in log2 and "no node forming it anew" in log2
     assert f"founding node(s) hold step {newest}" in log2, log2[-3000:]
     joined = [r for r in folder_metrics(folders[2]) if r.get("joined")]
     assert len(joined) == 1 and joined[0]["fetch_bytes"] > 0 and joined[0]["step"] >= newest
@@ -136,3 +137,45 @@ def test_a_joiner_whose_run_lost_every_member_forms_it_anew_with_a_node_back(
     after = [k for k, r in outer2.items() if r["step"] > newest]
     assert max(outer0) == max(outer2) == STEPS // H and outer0[STEPS // H]["nodes"] == 2
     assert after and all(outer2[k]["outer_sha256"] == outer0[k]["outer_sha256"] for k in after)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_listener_left_as_the_only_member_forms_the_run_anew_with_a_node_back(
+    tmp_path, token_cache, children
+):
+    """Node 0 founds the run and serves snapshots at 0.2 Mbit/s; node 1 joins and listens
+    while its snapshot comes. Node 0 is SIGKILLed: node 1 is the only member and holds none
+    of the run's state. At its next sync point the coordinator finds every member listening
+    and evicts it ("only listening"): it registers again, holds no checkpoint, and waits
+    (`NothingToFormFrom`) instead of running the run on with nobody's state. Node 0, run
+    again, resumes from its checkpoint and node 1 joins it. Churn pass 2 of stop 42, seed 3:
+    such a run committed empty rounds for 15 minutes."""
+    folders = [tmp_path / f"node{k}" for k in range(2)]
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=1).start()
+    node = {"coordinator": coord.address, "cache": token_cache, **NODE}
+    try:
+        p0 = start_cli_node(children, folders[0], **node, args=["--mesh.serve_mbit", "0.2"])
+        wait_until(lambda: 2 in outer_by_step(folder_metrics(folders[0])), 120,
+                   what="node 0's outer step 2")  # fmt: skip
+        p1 = start_cli_node(children, folders[1], **node)
+        log1 = tmp_path / "node1.log"
+        wait_until(lambda: "listening (a member contributing nothing)" in log1.read_text(), 120,
+                   what="node 1 listening")  # fmt: skip
+        p0.kill()
+        p0.wait(30)
+        wait_until(lambda: NOTHING in log1.read_text() or p1.poll() is not None, 120,
+                   what="node 1 evicted as the only, listening member, holding nothing")  # fmt: skip
+        p0 = start_cli_node(children, folders[0], **node)
+        codes = [wait_exit(p, 240, tmp_path / f"node{k}.log") for k, p in enumerate((p0, p1))]
+    finally:
+        coord.close()
+    assert codes == [0, 0], log_tails(tmp_path)
+    log1 = log1.read_text()
+    assert "only listening" in log1, log1[-3000:]
+    joined = [r for r in folder_metrics(folders[1]) if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["fetch_bytes"] > 0, joined
+    outer0, outer1 = (outer_by_step(folder_metrics(f)) for f in folders)
+    assert all(r["step"] >= joined[0]["step"] for r in outer1.values())  # no run of its own
+    assert max(outer0) == max(outer1) == STEPS // H
+    assert all(outer1[k]["outer_sha256"] == outer0[k]["outer_sha256"] for k in outer1)
