@@ -23,14 +23,9 @@ def local_tensor(p: Tensor) -> Tensor:
     return to_local() if callable(to_local) else p
 
 
-def _bytes(flat: Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, in place."""
-    return memoryview(flat.detach().numpy()).cast("B")
-
-
 def weights_digest(flat: Tensor) -> str:
     """XXH3-128 (hex) of a contiguous CPU float32 tensor's bytes, read in place."""
-    return xxhash.xxh3_128_hexdigest(_bytes(flat))
+    return xxhash.xxh3_128_hexdigest(memoryview(flat.detach().numpy()).cast("B"))
 
 
 CHUNK = (
@@ -57,7 +52,6 @@ class OuterOptimizer:
         self.momentum_buffer = torch.zeros(total, dtype=torch.float32)
         self._weight_views: list[Tensor] = []
         self._gradient_views: list[Tensor] = []
-        self._digest: tuple[int, str] = (-1, "")  # (the buffer's version, its hash)
         offset = 0
         for p, n in zip(self.params, numels, strict=True):
             shape = local_tensor(p).shape
@@ -78,7 +72,6 @@ class OuterOptimizer:
         part.momentum_buffer = self.momentum_buffer[a:b]
         part._weight_views = [self._weight_views[i] for i in members]
         part._gradient_views = [self._gradient_views[i] for i in members]
-        part._digest = (-1, "")
         return part
 
     @torch.no_grad()
@@ -103,12 +96,11 @@ class OuterOptimizer:
         momentum = mu x momentum + g; weights -= lr x (g + mu x momentum): element by element
         the arithmetic of the whole-buffer form, done a chunk of `CHUNK` elements at a time
         (while the chunk is in cache, and with no whole-model temporary), each parameter's
-        chunk copied into the model right after and hashed for `digest` (a pass saved)."""
+        chunk copied into the model right after."""
         scratch = torch.empty(min(CHUNK, self.weights.numel()), dtype=torch.float32)
-        base, hasher, hashed = self.weights.storage_offset(), xxhash.xxh3_128(), 0
+        base = self.weights.storage_offset()
         for view, g, p in zip(self._weight_views, self._gradient_views, self.params, strict=True):
             off, n = view.storage_offset() - base, view.numel()
-            hasher = hasher if off == hashed else None  # (views out of the buffer's order)
             w, g, m = self.weights[off : off + n], g.view(-1), self.momentum_buffer[off : off + n]
             live = local_tensor(p)
             # a CPU model takes each chunk while it is in cache; a GPU one the whole parameter
@@ -121,13 +113,8 @@ class OuterOptimizer:
                 w[a:b].sub_(update, alpha=self.lr)
                 if dst is not None:
                     dst[a:b].copy_(w[a:b])
-                if hasher is not None:
-                    hasher.update(_bytes(w[a:b]))
-            hashed += n
             if to_model and dst is None:
                 live.copy_(view)
-        if hasher is not None and hashed == self.weights.numel():
-            self._digest = (self.weights._version, hasher.hexdigest())
 
     @torch.no_grad()
     def load_into_model(self) -> None:
@@ -154,14 +141,9 @@ class OuterOptimizer:
 
     def digest(self) -> str:
         """The hash of this rank's outer weights (XXH3-128, hex): equal on every node after an
-        outer step. The one `apply` took as it wrote them, while nothing wrote the buffer
-        since (torch counts every in-place write in the tensor's version), else read straight
-        from the buffer (at 1B parameters SHA-256 over a copy took ~8 s a round)."""
-        version, digest = self._digest
-        if version != self.weights._version:
-            digest = weights_digest(self.weights)
-            self._digest = (self.weights._version, digest)
-        return digest
+        outer step. Read straight from the buffer, no copy: at 1B parameters SHA-256 over a
+        copy took ~8 s a round, XXH3 takes about a memcpy's time."""
+        return weights_digest(self.weights)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The live buffers (a checkpoint loads into them in place)."""
