@@ -274,8 +274,11 @@ def test_a_run_whose_members_all_listen_forms_anew():
     assert "only listening" in evicted["c"][0]["reason"], evicted
     assert "no members left" in evicted["d"][0]["reason"], evicted
 
-    # with a contributor among them the sync point passes as before
+    # with a contributor among them the sync point passes as before; the status says who
+    # listens (its checkpoints are no donor's: prime-train's `Membership.donors`)
     m2 = Membership(min_nodes=2)
     (a, ca), (b, cb) = _register(m2, "a"), _register(m2, "b")
     _listening_round(m2, [(a, ca), (b, cb)], b)
     assert len(m2.members) == 2 and ca.replies(2) and cb.replies(2)
+    assert {n["metadata"]["k"]: n["listening"] for n in m2.status()["nodes"]} == {
+        "a": False, "b": True}  # fmt: skip

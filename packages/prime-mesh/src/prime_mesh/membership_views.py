@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from prime_mesh.node import Node
 from prime_mesh.progress import History, page_of
+from prime_mesh.round_requests import RoundRequests
 
 
 class MembershipViews:
@@ -27,6 +28,7 @@ class MembershipViews:
     joiners: list[str]  # complete, ready nodes, admitted at the next sync point
     history: History
     completed: str | None  # config hash of a run whose members finished it
+    pending: RoundRequests  # sync point arrivals and votes in flight
 
     def epoch_info(self) -> dict:
         return {
@@ -46,6 +48,7 @@ class MembershipViews:
 
     def status(self) -> dict:
         now = self.clock()
+        listening = {key for key, _ in self.pending.listening}
 
         def view(node: Node) -> dict:
             ages = [now - t for t in node.last_seen.values()]
@@ -53,6 +56,8 @@ class MembershipViews:
                 "node_id": node.node_id,
                 "rank": self.members.index(node.key) if node.member else None,
                 "state": self.state_of(node),
+                # a member whose last sync point it reached listening: it holds no state yet
+                "listening": node.member and node.key in listening,
                 "local_world_size": node.local_world_size,
                 "last_heartbeat_age": max(ages) if ages else None,
                 "metadata": node.metadata,

@@ -63,7 +63,8 @@ class MeshViews:
         """Every node the coordinator knows (members in rank order, then the others) with its
         node_id, rank (None unless a member), state ("member", "joining": ready and admitted at
         the next sync point, "waiting": not ready yet, "registering": local ranks missing),
-        local_world_size, last_heartbeat_age and metadata."""
+        listening (a member that reached its last sync point listening), local_world_size,
+        last_heartbeat_age and metadata."""
         return list(self.status()["nodes"])
 
     def status(self) -> dict:

@@ -100,12 +100,14 @@ class Membership:
 
     def donors(self) -> list[tuple[str, str]]:
         """(node_id, serve_url) of every other member that serves its checkpoints, in rank
-        order (not this node: a listener is a member before it holds any state)."""
+        order: not this node, nor a member still listening (it holds no state of the run's
+        yet, only, at most, an older snapshot, which the update logs may not bridge)."""
         me = self.mesh.node_id
         return [
             (str(m["node_id"]), str(m["metadata"]["serve_url"]))
             for m in self.mesh.members()
             if m.get("state") == "member"
+            and not m.get("listening")
             and (m.get("metadata") or {}).get("serve_url")
             and m.get("node_id") != me
         ]
