@@ -18,7 +18,8 @@ uint8, synthetic data, a checkpoint every 10 steps, 2 kept); once the members co
   this process (`outer_own_over_memcpy`); the rest of a round besides its inner compute,
   all-reduce and sync point (`round_rest_s`: the vote's wait for the others, metrics, ...)
   over rounds that followed no checkpoint; checkpoint blocking: the same median over the
-  rounds that followed a checkpoint, less that one;
+  rounds that followed a checkpoint, less that one, and as the node counted it (the
+  progress rows' `ckpt_blocked_s` over `ckpt_saves`: per save and per GB of state);
 - the same passes timed alone in this process, before the job, each over the memcpy;
 - for the joiner: the snapshot's bytes and MB/s, the seconds it was held for the rounds'
   all-reduces and its final fsync took, and the MB/s without them (`snapshot_moving_MB_s`),
@@ -221,6 +222,17 @@ def joiner_figures(rows: list[dict], started: float) -> dict:
     }
 
 
+def blocking_figures(rows: list[dict], params: int) -> dict:
+    """Checkpoint blocking from the last progress row: the loop's seconds in `save()` and
+    waiting for the copies into RAM, per save and per GB of state (20 B/param)."""
+    last = next((r for r in reversed(rows) if "ckpt_blocked_s" in r), None)
+    if last is None or not last["ckpt_saves"]:
+        return {}
+    per_save = last["ckpt_blocked_s"] / last["ckpt_saves"]
+    return {"ckpt_saves": last["ckpt_saves"], "ckpt_blocked_s_per_save": round(per_save, 3),
+            "ckpt_blocked_s_per_GB": round(per_save / (20 * params / 1e9), 3)}  # fmt: skip
+
+
 def stop_figures(folder: Path) -> dict:
     """From a node's summary: the checkpoint errors it counted, and whether the step it
     stopped at is a committed checkpoint in its folder (the final one reached disk)."""
@@ -336,6 +348,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             ),
             "disk_B_per_param": round(peak["disk"] / params, 1),
             **outer_figures(rows, memcpy_s),
+            **blocking_figures(rows, params),
             **(joiner_figures(rows, started[name]) if name == "joiner" else {}),
             **exits.get(name, {}),
             **stop_figures(work / name),

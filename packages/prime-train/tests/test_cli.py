@@ -80,6 +80,13 @@ def test_debug_config_short(tmp_path, run_cli):
         "1",
     )
     check_debug_run(r, tmp_path / "debug", 120)
+    # progress rows count the checkpoints saved so far (step 60's, after its own row) and the
+    # seconds the loop waited for them
+    rows = [json.loads(x) for x in (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()]
+    progress = [row for row in rows if "loss" in row]
+    assert [row["ckpt_saves"] for row in progress] == [int(row["step"] > 60) for row in progress]
+    blocked = [row["ckpt_blocked_s"] for row in progress]
+    assert blocked == sorted(blocked) and blocked[0] == 0.0 < blocked[-1] < 60, blocked
     # a different config in the same run folder is refused, nothing overwritten
     r2 = run_cli(
         "--config", str(DEBUG), "--run.runs_dir", str(tmp_path), "--train.steps", "99",

@@ -98,6 +98,8 @@ class Checkpointer:
         )
         self.last_saved: int | None = None
         self._last: SaveHandle | None = None
+        # the loop's time in save() and waiting for its copies, and the saves (metrics rows)
+        self.blocked_s, self.saves = 0.0, 0
 
     @property
     def errors(self) -> int:
@@ -139,17 +141,21 @@ class Checkpointer:
         background; `wait_staged()` before the state's tensors change."""
         if self.last_saved == step:
             return
+        t0 = time.perf_counter()
         self._last = self.manager.save(
             step, state, metadata=self.identity, stage_in_background=True
         )
-        self.last_saved = step
+        self.last_saved, self.saves = step, self.saves + 1
+        self.blocked_s += time.perf_counter() - t0
 
     def wait_staged(self, keys: tuple[str, ...] | None = None) -> float:
         """Block until the last save copied the state, or the tensors under its top-level
         `keys` (a load waits by itself); returns the seconds waited."""
         t0 = time.perf_counter()
         self.manager.wait_staged(keys)
-        return time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.blocked_s += waited
+        return waited
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         step = self.manager.load_latest(state, strict=True)

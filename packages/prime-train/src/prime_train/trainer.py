@@ -69,6 +69,9 @@ class Meter:
                 "tokens": run.progress["tokens"],
                 "tokens_per_s": tps,
                 "ckpt_errors": run.ckpt.errors,  # checkpoint saves and uploads failed so far
+                # so far: the seconds the loop waited for checkpoints, and how many it saved
+                "ckpt_blocked_s": round(run.ckpt.blocked_s, 3),
+                "ckpt_saves": run.ckpt.saves,
             }
         )
         loss = f"{self.last_loss:.4f}" if self.steps else "- (no data slot yet)"
