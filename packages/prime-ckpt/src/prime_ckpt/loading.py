@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from prime_ckpt.bounded import bounded
 from prime_ckpt.collectives import all_reduce_int
 from prime_ckpt.errors import (
     CheckpointError,
@@ -19,7 +20,7 @@ from prime_ckpt.errors import (
 from prime_ckpt.manifest import committed_steps, step_dirname
 from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
 from prime_ckpt.records import TIERS, CheckpointInfo, checkpoint_info
-from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, bounded, remote_listing
+from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, remote_listing
 from prime_ckpt.remote_load import open_remote, settle_remote
 from prime_ckpt.writer import TMP_PREFIX, disk_steps
 
@@ -42,7 +43,9 @@ class Loading:
         if self._remote is None:
             return []
         try:
-            return bounded(self._remote.steps, REMOTE_LIST_TIMEOUT_S, f"listing {self._remote.url}")
+            return self._remote.listing.call(
+                self._remote.steps, REMOTE_LIST_TIMEOUT_S, f"listing {self._remote.url}"
+            )
         except Exception as e:  # an unreachable remote must not stop a local restore
             warnings.warn(f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=4)
             return []

@@ -15,11 +15,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
 import zstandard
 
+from prime_ckpt.bounded import Breaker, bounded
 from prime_ckpt.errors import CorruptCheckpoint, ManifestError
 from prime_ckpt.manifest import (
     MANIFEST_NAME,
@@ -30,7 +31,6 @@ from prime_ckpt.manifest import (
 )
 from prime_ckpt.records import CheckpointInfo
 
-T = TypeVar("T")
 log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
 # the longest a listing, a manifest read or a delete of the remote is waited for where a start
@@ -60,6 +60,7 @@ class RemoteStore:
         self.root = self.root.rstrip("/")
         self.compression = compression
         self._local = "file" in _protocols(self.fs)
+        self.listing = Breaker()  # `steps()` bounded, not asked again for a while once it hung
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -255,7 +256,7 @@ class Uploader:
             return []
         removed: list[int] = []
         try:
-            steps = bounded(self.store.steps, timeout, f"listing {self.store.url}")
+            steps = self.store.listing.call(self.store.steps, timeout, f"listing {self.store.url}")
         except Exception as e:  # an unreachable remote must not stop a local start
             log.warning("prime-ckpt: cannot list %s to remove newer steps: %s", self.store.url, e)
             return removed
@@ -342,28 +343,6 @@ class Uploader:
                     self.store.delete(s)
         except Exception as e:  # tidying is best effort; the upload itself succeeded
             log.warning("prime-ckpt: could not tidy %s: %s", self.store.url, e)
-
-
-def bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
-    """`fn()` on a helper thread, given at most `timeout` s (a remote that hangs must not
-    hang a start or a stop); TimeoutError naming `what` after that (the thread is left)."""
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as e:
-            box.append((False, e))
-
-    t = threading.Thread(target=run, name="prime-ckpt-bounded", daemon=True)
-    t.start()
-    t.join(timeout)
-    if not box:
-        raise TimeoutError(f"{what} took more than {timeout:.0f} s")
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
 
 
 def remote_listing(
