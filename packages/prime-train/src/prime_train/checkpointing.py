@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prime_ckpt import CheckpointFailure, CheckpointManager, SaveHandle
+from prime_ckpt import TIERS, CheckpointFailure, CheckpointManager, SaveHandle
 from prime_train.rundir import RunDirError
 
 
@@ -181,10 +181,11 @@ class Checkpointer:
         if self._last is not None:
             self._last.wait()
 
-    def committed_steps(self) -> list[int]:
+    def committed_steps(self, local: bool = False) -> list[int]:
         """Steps this rank holds committed in RAM, on disk or in the remote store (each copy is
-        verified when loaded, and a bad one falls back to the next tier)."""
-        return self.manager.committed_steps()
+        verified when loaded, and a bad one falls back to the next tier); `local`: in RAM or
+        on disk only (no listing of the remote, which may hang for its whole bound)."""
+        return self.manager.committed_steps(("ram", "disk") if local else TIERS)
 
     def close(self) -> None:
         """The final checkpoint reaches disk; its upload is waited for `upload_timeout_s` at

@@ -68,7 +68,7 @@ class CommittedState:
         """Put the model back to the outer weights of this step, and the inner optimizer and
         the loop's position to theirs there, and checkpoint it, durably (a no-op when this
         node already holds a checkpoint of it)."""
-        if self.step in run.ckpt.committed_steps():
+        if self.step in run.ckpt.committed_steps(local=True):  # (on the way out: no listing)
             return
         outer.rollback_to_outer()  # (with overlap: drops the round in flight, as failed)
         tensors, _ = _spilled(run)  # (fragments: the other fragments' local progress too)
