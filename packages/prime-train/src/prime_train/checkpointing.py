@@ -209,14 +209,23 @@ def remote_prefix(cfg, node_name: str) -> str | None:
     return f"{cfg.ckpt.remote.rstrip('/')}/{node_name}"
 
 
+HINT_LIST_TIMEOUT_S = 10.0  # a hint's listing: a remote that hangs must not hold the start
+
+
 def other_node_prefixes(cfg, node_name: str) -> list[str]:
-    """The names under `ckpt.remote` other than this node's (best effort: [] if unlistable),
-    to tell a node restarted under a new name where its checkpoints may be."""
+    """The names under `ckpt.remote` other than this node's (best effort: [] if unlistable
+    within `HINT_LIST_TIMEOUT_S`), to tell a node restarted under a new name where its
+    checkpoints may be."""
     import fsspec
 
-    try:
+    from prime_ckpt.bounded import bounded
+
+    def names_under() -> list[str]:
         fs, root = fsspec.core.url_to_fs(cfg.ckpt.remote, **cfg.ckpt.remote_options)
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-    except Exception:  # missing root, no credentials yet: nothing to say
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+
+    try:
+        names = bounded(names_under, HINT_LIST_TIMEOUT_S, f"listing {cfg.ckpt.remote}")
+    except Exception:  # missing root, no credentials yet, no answer: nothing to say
         return []
     return sorted(n for n in names if n != node_name)
