@@ -7,16 +7,21 @@ Builds a checkpoint of random bytes, then copies it donor -> joiner three ways, 
 fresh folder and each ending with the files fsynced:
 - raw: one TCP connection, the donor `sendfile`s every file, the receiver writes them; no
   HTTP, no authentication, no checksums. The ceiling for this machine.
-- raw+sha: the same, then SHA-256 of every received file (what any verified copy must add).
-- peer N: `fetch_from_peer` with N connections (HMAC-signed Range requests, SHA-256 of every
-  file, journal, atomic commit).
+- raw+sha256, raw+blake3: the same, then the hash of every received file (what any verified
+  copy must add): SHA-256, as manifests of format 1 listed it, and BLAKE3, as format 2 does.
+- peer N: `fetch_from_peer` with N connections (HMAC-signed Range requests, the BLAKE3 of
+  every file, journal, atomic commit).
 - paced: what a joiner does (prime-train's snapshot): one connection per donor, 1 MiB chunks,
   reads paced by a `LinkGate` with no cap (its adaptive receive window).
+- paced v1: the same from a donor whose manifest is of format 1 (SHA-256 files): the baseline
+  of the hash change, in the same process.
 - capped: the same with the gate capped at `--cap-mb-s` MB/s; prints the ratio to the cap.
 - donor cap: plain fetch from a donor serving with `max_bytes_per_s` = the cap.
-Prints the best of `--repeat` runs per mode, MB/s, and its ratio to raw and raw+sha (and to
-the cap for the capped modes). Loopback has no bandwidth limit, so the uncapped modes measure
-the CPU cost of the transfer path, the thing peer transfer adds.
+Prints the best of `--repeat` runs per mode, MB/s, its ratio to raw and raw+blake3 (and to
+the cap for the capped modes), and the CPU seconds per GB the process spent in its best run
+(donor and joiner together, user + system: what the transfer takes from a node that also
+trains, where a busy machine's wall-clock rate says little). Loopback has no bandwidth limit,
+so the uncapped modes measure the CPU cost of the transfer path, the thing peer transfer adds.
 
 With `--wan-mbit R` (root; the WAN bed of tests/support/prime_netbed.py) it also runs donor
 and joiner in two network namespaces joined by `tc tbf` links of R Mbit/s, as separate
@@ -38,15 +43,16 @@ import threading
 import time
 from pathlib import Path
 
-from prime_ckpt.manifest import FileEntry, Manifest, sha256_file, step_dirname
+from prime_ckpt.manifest import FileEntry, Manifest, file_digest, step_dirname
 from prime_ckpt.peer import fetch_checkpoint, fetch_from_peer, serve_directory
 from prime_train.diloco.snapshot import CHUNK_BYTES, LinkGate
 
 TOKEN = "benchmark-token"
 
 
-def build_checkpoint(root: Path, size_mb: int, files: int) -> tuple[Path, list[Path]]:
-    d = root / "donor" / step_dirname(1)
+def build_checkpoint(root: Path, size_mb: int, files: int, fmt: int = 2) -> tuple[Path, list[Path]]:
+    """A donor folder `root/donor-v<fmt>` holding step 1 with a manifest of format `fmt`."""
+    d = root / f"donor-v{fmt}" / step_dirname(1)
     d.mkdir(parents=True)
     per = size_mb * (1 << 20) // files
     block = os.urandom(1 << 20)
@@ -57,12 +63,12 @@ def build_checkpoint(root: Path, size_mb: int, files: int) -> tuple[Path, list[P
             for j in range(per >> 20):
                 f.write(block[j % 7 :] + block[: j % 7])  # distinct blocks, cheap to make
         paths.append(p)
-    m = Manifest(step=1, files={p.name: FileEntry(p.stat().st_size, sha256_file(p)) for p in paths})
-    (d / "manifest.msgpack").write_bytes(m.to_bytes())
-    return root / "donor", paths
+    entries = {p.name: FileEntry(p.stat().st_size, file_digest(p, fmt)) for p in paths}
+    (d / "manifest.msgpack").write_bytes(Manifest(step=1, files=entries, format=fmt).to_bytes())
+    return d.parent, paths
 
 
-def raw_copy(paths: list[Path], dest: Path, verify: bool = False) -> float:
+def raw_copy(paths: list[Path], dest: Path, verify: int | None = None) -> float:
     """The baseline: length-prefixed sendfile over one loopback TCP connection."""
     dest.mkdir(parents=True)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -93,9 +99,9 @@ def raw_copy(paths: list[Path], dest: Path, verify: bool = False) -> float:
                     left -= n
                 out.flush()
                 os.fsync(out.fileno())
-    if verify:  # what any verified transfer must add: hash what arrived
+    if verify:  # what any verified transfer must add: hash what arrived (manifest format)
         for p in paths:
-            sha256_file(dest / p.name)
+            file_digest(dest / p.name, verify)
     dt = time.perf_counter() - t0
     t.join(timeout=30)
     listener.close()
@@ -165,60 +171,70 @@ def wan_runs(donor_dir: Path, scratch: Path, size: int, args) -> dict[int, float
     return best
 
 
-def loopback_runs(donor_dir: Path, paths: list[Path], scratch: Path, size: int, args) -> dict:
-    """Best seconds per mode, the modes interleaved run after run (the machine is noisy)."""
+def loopback_runs(donors: dict[int, Path], paths: list[Path], scratch: Path, size: int,
+                  args) -> dict:  # fmt: skip
+    """Best (seconds, CPU seconds) per mode, the modes interleaved run after run (the machine
+    is noisy); `donors`: the donor folder of each manifest format."""
     cap = args.cap_mb_s * 1e6
-    results: dict[str, float] = {}
+    donor_dir = donors[2]
+    results: dict[str, tuple[float, float]] = {}
     with (
         serve_directory(donor_dir, "127.0.0.1", token=TOKEN) as server,
+        serve_directory(donors[1], "127.0.0.1", token=TOKEN) as v1,
         serve_directory(donor_dir, "127.0.0.1", token=TOKEN, max_bytes_per_s=cap) as capped,
     ):
         t0 = time.perf_counter()
         fetch_from_peer(server.url, scratch / "warm", token=TOKEN)  # donor hashes once
         fetch_from_peer(capped.url, scratch / "warm2", token=TOKEN, chunk_bytes=size)
+        fetch_from_peer(v1.url, scratch / "warm3", token=TOKEN)
         print(f"donors' first verification + warm-up fetch: {time.perf_counter() - t0:.2f}s")
-        shutil.rmtree(scratch / "warm")
-        shutil.rmtree(scratch / "warm2")
+        for w in ("warm", "warm2", "warm3"):
+            shutil.rmtree(scratch / w)
 
-        def paced(rate: float | None) -> None:
-            fetch_checkpoint([server.url], dest, token=TOKEN, connections=1,
+        def paced(rate: float | None, url: str = server.url) -> None:
+            fetch_checkpoint([url], dest, token=TOKEN, connections=1,
                              chunk_bytes=CHUNK_BYTES, pace=LinkGate(rate).wait)  # fmt: skip
 
         modes = {
             "raw": lambda: raw_copy(paths, dest),
-            "raw+sha": lambda: raw_copy(paths, dest, True),
+            "raw+sha256": lambda: raw_copy(paths, dest, 1),
+            "raw+blake3": lambda: raw_copy(paths, dest, 2),
         }
         for c in args.connections:
             modes[f"peer x{c}"] = lambda c=c: fetch_from_peer(server.url, dest, token=TOKEN,
                                                               connections=c)  # fmt: skip
         modes["paced"] = lambda: paced(None)
+        modes["paced v1"] = lambda: paced(None, v1.url)
         modes["capped"] = lambda: paced(cap)
         modes["donor cap"] = lambda: fetch_from_peer(capped.url, dest, token=TOKEN)
         for r in range(args.repeat):
             for name, run in modes.items():
                 dest = scratch / f"dest-{name.replace(' ', '')}-{r}"
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 ret = run()
                 dt = ret if isinstance(ret, float) else time.perf_counter() - t0
+                cpu = time.process_time() - c0
                 shutil.rmtree(dest)
-                results[name] = min(results.get(name, float("inf")), dt)
-                print(f"  run {r + 1}/{args.repeat} {name:>9}: {dt:6.2f}s "
-                      f"{size / dt / 1e6:8.1f} MB/s", flush=True)  # fmt: skip
+                results[name] = min(results.get(name, (float("inf"), 0.0)), (dt, cpu))
+                print(f"  run {r + 1}/{args.repeat} {name:>10}: {dt:6.2f}s "
+                      f"{size / dt / 1e6:8.1f} MB/s, CPU {cpu / size * 1e9:5.2f} s/GB",
+                      flush=True)  # fmt: skip
     return results
 
 
-def report(results: dict[str, float], size: int, args) -> None:
-    raw, raw_sha, cap = results["raw"], results["raw+sha"], args.cap_mb_s * 1e6
+def report(results: dict[str, tuple[float, float]], size: int, args) -> None:
+    raw, raw_hash, cap = results["raw"][0], results["raw+blake3"][0], args.cap_mb_s * 1e6
     print(
         f"\nloopback, {size / 1e6:.0f} MB in {args.files} files, best of {args.repeat}, "
         f"{os.cpu_count()} CPUs, cap {args.cap_mb_s:g} MB/s for the capped modes"
     )
-    print(f"{'mode':>9} {'seconds':>8} {'MB/s':>8} {'vs raw':>7} {'vs raw+sha':>10} {'of cap':>7}")
-    for name, dt in results.items():
+    print(f"{'mode':>10} {'seconds':>8} {'MB/s':>8} {'vs raw':>7} {'vs raw+blake3':>13} "
+          f"{'CPU s/GB':>8} {'of cap':>7}")  # fmt: skip
+    for name, (dt, cpu) in results.items():
         of_cap = f"{size / dt / cap:7.2f}" if "cap" in name else ""
         print(
-            f"{name:>9} {dt:8.2f} {size / dt / 1e6:8.1f} {raw / dt:7.2f} {raw_sha / dt:10.2f} "
-            f"{of_cap}"
+            f"{name:>10} {dt:8.2f} {size / dt / 1e6:8.1f} {raw / dt:7.2f} {raw_hash / dt:13.2f} "
+            f"{cpu / size * 1e9:8.2f} {of_cap}"
         )
 
 
@@ -247,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         donor_dir, paths = build_checkpoint(scratch, args.size_mb, args.files)
+        donors = {2: donor_dir, 1: build_checkpoint(scratch, args.size_mb, args.files, 1)[0]}
         size = sum(p.stat().st_size for p in paths)
-        report(loopback_runs(donor_dir, paths, scratch, size, args), size, args)
+        report(loopback_runs(donors, paths, scratch, size, args), size, args)
         if args.wan_mbit:
             print(
                 f"\nWAN bed: donor and joiner in two namespaces, tbf {args.wan_mbit:g} Mbit/s "

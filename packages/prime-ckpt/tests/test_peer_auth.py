@@ -13,8 +13,8 @@ import pytest
 from prime_ckpt.manifest import (
     FileEntry,
     Manifest,
+    file_digest,
     is_leased,
-    sha256_file,
     step_dirname,
 )
 from prime_ckpt.peer import (
@@ -113,8 +113,8 @@ def test_paths_outside_the_checkpoint_refused(donor):
     m = Manifest(
         step=2,
         files={
-            "ok": FileEntry(4, sha256_file(root / step_dirname(2) / "ok")),
-            "out": FileEntry(9, sha256_file(tmp_path / "secret")),
+            "ok": FileEntry(4, file_digest(root / step_dirname(2) / "ok")),
+            "out": FileEntry(9, file_digest(tmp_path / "secret")),
         },
     )
     (root / step_dirname(2) / "manifest.msgpack").write_bytes(m.to_bytes())

@@ -1,7 +1,8 @@
 """The checkpoint manifest and on-disk layout shared by every tier and by peer transfer.
 
 A committed checkpoint is a folder `step-<10 digits>` holding its data files and
-`manifest.msgpack`. The manifest lists every file with its size and SHA-256; a folder whose
+`manifest.msgpack`. The manifest lists every file with its size and BLAKE3 hash (SHA-256 in
+manifests of format 1, which still load; BLAKE3 hashes at ~4x its speed); a folder whose
 manifest is missing, unreadable, or disagrees with a file is torn or corrupt and is never
 loaded. On a filesystem the folder is written under a temporary name and renamed; on an object
 store the manifest is uploaded last, so its presence marks the commit.
@@ -17,11 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import msgpack
 
 from prime_ckpt.errors import ManifestError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: files hashed with SHA-256; 2: with BLAKE3
+_READS = (1, 2)  # the formats this version loads
 MANIFEST_NAME = "manifest.msgpack"
 LEASE_DIR = ".leases"
 _STEP_RE = re.compile(r"^step-(\d{10})$")
@@ -44,10 +47,10 @@ def parse_step_dirname(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One data file of a checkpoint: its size in bytes and hex SHA-256."""
+    """One data file of a checkpoint: its size in bytes and hex hash (`file_hasher`)."""
 
     size: int
-    sha256: str
+    digest: str
 
 
 @dataclass
@@ -71,7 +74,7 @@ class Manifest:
                 "step": self.step,
                 "world_size": self.world_size,
                 "created": self.created,
-                "files": {k: [v.size, v.sha256] for k, v in sorted(self.files.items())},
+                "files": {k: [v.size, v.digest] for k, v in sorted(self.files.items())},
                 "extra": self.extra,
                 "user": self.user,
             },
@@ -86,10 +89,10 @@ class Manifest:
             raise ManifestError("manifest checksum mismatch (corrupted or truncated manifest)")
         try:
             d = msgpack.unpackb(body, raw=False, strict_map_key=False)
-            if d["format"] != FORMAT_VERSION:
+            if d["format"] not in _READS:
                 raise ManifestError(
                     f"manifest format {d['format']} is not supported (this prime-ckpt reads "
-                    f"format {FORMAT_VERSION}); upgrade prime-ckpt"
+                    f"formats {', '.join(map(str, _READS))}); upgrade prime-ckpt"
                 )
             files = {k: FileEntry(int(v[0]), str(v[1])) for k, v in d["files"].items()}
             return cls(
@@ -110,6 +113,21 @@ class Manifest:
         """SHA-256 of the manifest bytes: pins one exact checkpoint (used by peer transfer)."""
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
+    def hasher(self):
+        """A new hasher of this manifest's files (`file_hasher` of its format)."""
+        return file_hasher(self.format)
+
+    def file_problem(self, name: str, path: Path) -> str | None:
+        """Why the file at `path` is not this manifest's `name` (size or hash), or None."""
+        entry = self.files[name]
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != entry.size:
+            return f"{path}: size {path.stat().st_size}, manifest says {entry.size}"
+        if file_digest(path, self.format) != entry.digest:
+            return f"{path}: checksum mismatch (corrupted)"
+        return None
+
 
 def fsync_dir(path: str | Path) -> None:
     """Make a rename or new entry in `path` durable."""
@@ -120,12 +138,19 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex SHA-256 of a file, read in large chunks (hashlib releases the GIL)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+def file_hasher(format: int = FORMAT_VERSION):  # noqa: A002 - the manifest's field
+    """A new hasher (`update`, `copy`, `hexdigest`; releases the GIL) of a data file in a
+    manifest of `format`: BLAKE3, or SHA-256 for format 1."""
+    return hashlib.sha256() if format == 1 else blake3.blake3()
+
+
+def file_digest(path: str | Path, format: int = FORMAT_VERSION) -> str:  # noqa: A002
+    """Hex hash of a file (`file_hasher`), read in large chunks."""
+    h = file_hasher(format)
+    with open(path, "rb", buffering=0) as f:
+        buf = memoryview(bytearray(_CHUNK))
+        while n := f.readinto(buf):
+            h.update(buf[:n])
     return h.hexdigest()
 
 
@@ -146,16 +171,8 @@ def verify_dir(step_dir: str | Path, manifest: Manifest | None = None) -> list[s
         manifest = manifest or read_manifest(step_dir)
     except ManifestError as e:
         return [str(e)]
-    problems = []
-    for name, entry in manifest.files.items():
-        p = step_dir / name
-        if not p.is_file():
-            problems.append(f"{p}: missing")
-        elif p.stat().st_size != entry.size:
-            problems.append(f"{p}: size {p.stat().st_size}, manifest says {entry.size}")
-        elif sha256_file(p) != entry.sha256:
-            problems.append(f"{p}: checksum mismatch (corrupted)")
-    return problems
+    problems = (manifest.file_problem(name, step_dir / name) for name in manifest.files)
+    return [p for p in problems if p]
 
 
 def lease_path(root: str | Path, step: int) -> Path:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from prime_ckpt.errors import CorruptCheckpoint, NotCovered, StateMismatch
-from prime_ckpt.manifest import Manifest, data_name, meta_name, read_manifest, sha256_file
+from prime_ckpt.manifest import Manifest, data_name, meta_name, read_manifest
 from prime_ckpt.state import (
     dtype_from_name,
     dtype_name,
@@ -51,7 +51,7 @@ class CheckpointSource:
         return cls(tier, path, m, ranks)
 
     def verify(self, name: str) -> None:
-        """Check one file's size and SHA-256 against the manifest (once); CorruptCheckpoint
+        """Check one file's size and hash against the manifest (once); CorruptCheckpoint
         if it is missing or differs."""
         if name in self._verified:
             return
@@ -59,12 +59,9 @@ class CheckpointSource:
         p = self.dir / name
         if entry is None:
             raise CorruptCheckpoint(f"{p}: not listed in the manifest")
-        if not p.is_file():
-            raise CorruptCheckpoint(f"{p}: missing")
-        if p.stat().st_size != entry.size:
-            raise CorruptCheckpoint(f"{p}: size {p.stat().st_size}, manifest says {entry.size}")
-        if sha256_file(p) != entry.sha256:
-            raise CorruptCheckpoint(f"{p}: checksum mismatch (corrupted)")
+        problem = self.manifest.file_problem(name, p)
+        if problem:
+            raise CorruptCheckpoint(problem)
         self._verified.add(name)
 
     def meta(self, rank: int) -> dict:

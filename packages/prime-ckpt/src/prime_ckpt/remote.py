@@ -8,7 +8,6 @@ with zstd (recorded in the remote manifest); checksums are always of the uncompr
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import threading
@@ -99,7 +98,12 @@ class RemoteStore:
         for name in sorted(m.files):
             retry(lambda n=name: self._put(local / n, self.path(prefix, n)), name)
         remote = Manifest(
-            m.step, m.files, m.world_size, dict(m.extra, compression=self.compression), m.user
+            m.step,
+            m.files,
+            m.world_size,
+            dict(m.extra, compression=self.compression),
+            m.user,
+            format=m.format,
         )
         remote.created = m.created
         data = remote.to_bytes()
@@ -128,7 +132,7 @@ class RemoteStore:
         prefix = step_dirname(step)
         compressed = m.extra.get("compression") == "zstd"
         for name, entry in m.files.items():
-            h = hashlib.sha256()
+            h = m.hasher()
             size = 0
             try:
                 with (
@@ -144,11 +148,11 @@ class RemoteStore:
                 raise CorruptCheckpoint(f"{self.url}/{prefix}/{name}: missing") from None
             except zstandard.ZstdError as e:
                 raise CorruptCheckpoint(f"{self.url}/{prefix}/{name}: bad zstd data: {e}") from None
-            if size != entry.size or h.hexdigest() != entry.sha256:
+            if size != entry.size or h.hexdigest() != entry.digest:
                 raise CorruptCheckpoint(
                     f"{self.url}/{prefix}/{name}: checksum mismatch (corrupted)"
                 )
-        local = Manifest(m.step, m.files, m.world_size, {"layout": 1}, m.user)
+        local = Manifest(m.step, m.files, m.world_size, {"layout": 1}, m.user, format=m.format)
         local.created = m.created
         (dest / MANIFEST_NAME).write_bytes(local.to_bytes())
         return m

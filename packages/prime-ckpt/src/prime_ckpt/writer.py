@@ -9,7 +9,6 @@ ranks consider the step durable once the committed folder appears.
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import queue
@@ -27,6 +26,7 @@ from prime_ckpt.manifest import (
     FileEntry,
     Manifest,
     committed_steps,
+    file_hasher,
     fsync_dir,
     is_leased,
     parse_step_dirname,
@@ -56,7 +56,7 @@ def copy_hashed(
     thread so that hashing and disk writes overlap (both release the GIL). A write that makes
     no progress for `stall_timeout` s (a hung disk) is an error, and the helper is left to
     close the file whenever its write returns."""
-    h = hashlib.sha256()
+    h = file_hasher()
     size = src.stat().st_size
     err: list[OSError] = []
     out = None
@@ -136,8 +136,8 @@ def _stall_error(dst: Path | None, timeout: float) -> OSError:
 
 
 def hash_and_sync(path: Path) -> FileEntry:
-    """`ram="off"`: the size and SHA-256 of a file `save()` wrote, made durable by fsync."""
-    h = hashlib.sha256()
+    """`ram="off"`: the size and hash of a file `save()` wrote, made durable by fsync."""
+    h = file_hasher()
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -230,7 +230,7 @@ class DiskCommitter:
                 pass
 
     def _write_marker(self, path: Path, entries: dict[str, FileEntry]) -> None:
-        data = msgpack.packb({k: [v.size, v.sha256] for k, v in entries.items()})
+        data = msgpack.packb({k: [v.size, v.digest] for k, v in entries.items()})
         tmp = path.with_suffix(".part")
         with open(tmp, "wb") as f:
             f.write(data)

@@ -180,7 +180,7 @@ class Catalog:
     def _hash_problem(self, step_dir: Path, manifest: Manifest) -> str | None:
         """What is wrong with the files of `step_dir` (None: all match the manifest)."""
         for name, entry in manifest.files.items():
-            h = hashlib.sha256()
+            h = manifest.hasher()
             try:
                 with open(step_dir / name, "rb") as f:
                     while chunk := f.read(_HASH_CHUNK):
@@ -189,7 +189,7 @@ class Catalog:
                         h.update(chunk)
             except OSError as e:
                 return f"{name}: {e}"
-            if h.hexdigest() != entry.sha256:
+            if h.hexdigest() != entry.digest:
                 return f"{name}: checksum mismatch (corrupted)"
         return None
 

@@ -201,7 +201,7 @@ class Connection:
             raise PeerFailed(f"{self.url}: answered {resp.status} without the requested range")
         pending = [m for m in marks if start < m < end]
         pending.reverse()
-        # `sink` (SHA-256, which releases the GIL) runs on its own thread over a ring of
+        # `sink` (a file hash, which releases the GIL) runs on its own thread over a ring of
         # buffers, so hashing one read overlaps receiving and writing the next
         with ThreadPoolExecutor(1, thread_name_prefix="prime-ckpt-hash") as hashing:
             running: list[Future | None] = [None] * _RING

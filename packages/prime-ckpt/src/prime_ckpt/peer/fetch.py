@@ -2,7 +2,7 @@
 
 The download goes into `dest/.peer-step-<step>-<digest prefix>.partial/` (a name that no
 checkpoint reader treats as committed), which is kept when a transfer fails so that a rerun
-resumes it. Once every file matches its SHA-256 the folder is fsynced and renamed to
+resumes it. Once every file matches its hash the folder is fsynced and renamed to
 `dest/step-<step>/`, so `CheckpointManager(disk_dir=dest)` sees either nothing or all of it.
 
 With `shared` key prefixes (`fetch_checkpoint`), donors of the same step whose checkpoints
@@ -37,7 +37,6 @@ from prime_ckpt.manifest import (
     MANIFEST_NAME,
     fsync_dir,
     read_manifest,
-    sha256_file,
     step_dirname,
     verify_dir,
 )
@@ -143,12 +142,12 @@ def _drop_stale_partials(dest: Path, step: int) -> None:
 
 
 def _verify(folder: Path, offer: Offer, workers: int, checked: dict[str, bool]) -> set[str]:
-    """Files that fail their SHA-256; those already hashed (in `checked`) are not read again,
+    """Files that fail their hash; those already hashed (in `checked`) are not read again,
     and the others are added to it."""
     names = sorted(set(offer.manifest.files) - set(checked))
 
     def bad(name: str) -> bool:
-        return sha256_file(folder / name) != offer.manifest.files[name].sha256
+        return offer.manifest.file_problem(name, folder / name) is not None
 
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="prime-ckpt-verify") as pool:
         checked.update(zip(names, (not b for b in pool.map(bad, names)), strict=True))
@@ -189,7 +188,7 @@ def _open_partial(dest: Path, offer: Offer, donors: list[str]) -> Path:
 
 
 def _download_verified(download: Download, offer: Offer, workers: int) -> None:
-    """Run `download` until every file matches its SHA-256: files that fail are fetched once
+    """Run `download` until every file matches its hash: files that fail are fetched once
     more, then it is a PeerError (the donors serve corrupt files), as is a local write error."""
     folder = download.folder
     try:
@@ -246,7 +245,7 @@ def fetch_from_peer(
     """Download the newest checkpoint the donors at `urls` offer into `dest`; returns its step.
 
     Parallel Range requests over `connections` connections, every file checked against its
-    SHA-256, resumable after a crash, failing over only to donors of the same manifest digest.
+    hash (the manifest's), resumable after a crash, failing over only to donors of the same manifest digest.
     `timeout` bounds every connect and read; `token` defaults to $PRIME_TOKEN.
     """
     return fetch_checkpoint(urls, dest, token, connections, timeout, chunk_bytes).step
@@ -311,7 +310,7 @@ def fetch_checkpoint(
     all of those die mid-transfer, another donor's checkpoint of the same step is taken (a
     helper's, which its serving leased), keeping the shared bytes already in; if none is
     left, the newest the donors left offer. Every file is checked against the committed
-    checkpoint's SHA-256; a file that fails is fetched again from its digest's donors alone.
+    checkpoint's hash; a file that fails is fetched again from its digest's donors alone.
     `pace`, if given, is called with the size of each read before it and may block to hold
     the transfer or cap its rate (reads and each receive window are then small, so a held
     transfer stops its donors within a moment)."""

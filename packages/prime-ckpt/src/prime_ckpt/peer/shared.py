@@ -6,7 +6,7 @@ The caller names the key prefixes whose tensors are the same on every donor of a
 tensor tables (`rank-N.meta`) from one donor, the *primary*, whose checkpoint it commits; a
 *helper* (another donor of the same step, another digest) may serve the bytes of a shared
 tensor whose record (path, dtype, shape, offset, size) in its own tensor table is the same.
-Nothing is trusted: the committed folder must match the primary's SHA-256 of every file, and
+Nothing is trusted: the committed folder must match the primary's hash of every file, and
 a file that does not is fetched again from the primary's digest alone.
 """
 

@@ -3,7 +3,7 @@
 Files are cut into chunks fetched with Range requests by `connections` worker threads, each
 on its own keep-alive connection, spread over the donors that offer the pinned digest. A
 chunk is recorded in the folder's journal (`.progress`) once its bytes are written, so a rerun
-after a crash only fetches what is missing; the final SHA-256 check catches anything the
+after a crash only fetches what is missing; the final hash check catches anything the
 journal claims but the disk lost. A donor that fails twice in a row, or answers 410, is
 dropped and its chunks go to the remaining donors; when none is left the transfer fails.
 
@@ -14,7 +14,6 @@ then help with the shared ranges. Losing every helper only slows the transfer do
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -23,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prime_ckpt.errors import PeerAuthError, PeerError, PeerFailed, PeerGone, PeerGoneError
 from prime_ckpt.manifest import Manifest
@@ -76,18 +76,19 @@ class _Todo:
 
 
 class _Hashes:
-    """SHA-256 of each file computed from the bytes as they arrive, as long as its chunks come
+    """The hash of each file (`new`: a hasher) computed from the bytes as they arrive, as long as its chunks come
     in order (always with one connection); whatever did not is read back from disk at the end.
     A worker claims a file's stream for one chunk and hashes into a copy of the state, which
     replaces it only if the chunk completes, so a failed chunk leaves no trace."""
 
-    def __init__(self) -> None:
+    def __init__(self, new: Callable[[], Any]) -> None:
+        self._new = new
         self._files: dict[str, list] = {}  # name -> [bytes hashed, hasher, claimed]
         self._lock = threading.Lock()
 
     def claim(self, name: str, start: int):
         with self._lock:
-            st = self._files.setdefault(name, [0, hashlib.sha256(), False])
+            st = self._files.setdefault(name, [0, self._new(), False])
             if st[2] or st[0] != start:
                 return None
             st[2] = True
@@ -102,7 +103,7 @@ class _Hashes:
 
     def finish(self, name: str, path: Path) -> str:
         with self._lock:
-            upto, hasher, _ = self._files.pop(name, None) or [0, hashlib.sha256(), False]
+            upto, hasher, _ = self._files.pop(name, None) or [0, self._new(), False]
         with open(path, "rb") as f:
             f.seek(upto)
             while chunk := f.read(8 << 20):
@@ -172,8 +173,8 @@ class Download:
         self._error: BaseException | None = None
         self._remaining = 0
         self._pending: dict[str, int] = {}  # file -> chunks still to fetch in this run
-        self.checked: dict[str, bool] = {}  # file -> matched its SHA-256 (hashed right away)
-        self._hashes = _Hashes()
+        self.checked: dict[str, bool] = {}  # file -> matched its hash (hashed right away)
+        self._hashes = _Hashes(manifest.hasher)
 
     def _open_files(self) -> dict[str, int]:
         fds = {}
@@ -297,7 +298,7 @@ class Download:
         if complete:  # finish the hash now, while other workers keep the network busy
             entry = self.manifest.files[chunk.name]
             digest = self._hashes.finish(chunk.name, self.folder / chunk.name)
-            self.checked[chunk.name] = digest == entry.sha256
+            self.checked[chunk.name] = digest == entry.digest
 
     def _fetch_run(self, conn: Connection, url: str, run: list[_Chunk], fd: int) -> None:
         """Fetch consecutive chunks of one file in one request; the chunks that arrived before
