@@ -34,7 +34,14 @@ def test_a_listener_holding_the_contributors_state_enters():
     theirs = listener([1.0, 2.0], 17, None).rounds.node_digest()
     check_holds_agreed(listener([1.0, 2.0], 17, (17, theirs)))  # the same weights: no error
     check_holds_agreed(listener([1.0, 2.5], 17, None))  # not told (an older coordinator)
-    check_holds_agreed(listener([1.0, 2.5], 16, (17, theirs)))  # another step: cannot compare
+
+
+def test_a_listener_a_round_short_of_the_contributors_takes_the_members_state_again():
+    """The same weights one outer step behind the contributors' count (an update it missed
+    while listening): it would apply the round at the wrong count, so it leaves."""
+    theirs = listener([1.0, 2.0], 17, None).rounds.node_digest()
+    with pytest.raises(JoinedLate, match="at outer step 16, the contributors at 17"):
+        check_holds_agreed(listener([1.0, 2.0], 16, (17, theirs)))
 
 
 def test_a_listener_holding_other_weights_takes_the_members_state_again():

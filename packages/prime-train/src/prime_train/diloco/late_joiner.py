@@ -63,7 +63,7 @@ def settle_late(outer: Diloco, got: Averaged, step: int, contributing: bool = Tr
     if not listener.listened(got, step):
         return None  # kept, not applied: it still fetches its snapshot or backlog
     check_holds_agreed(outer)
-    outer.listener = None  # caught up: this round applies as theirs
+    outer.listen(None)  # caught up: this round applies as theirs
     return step
 
 
@@ -73,10 +73,16 @@ def check_holds_agreed(outer: Diloco) -> None:
     contributors voted with (`mesh.agreed_outer`): its weights are compared only when it
     contributes, and a change made outside the update stream (a fault, a bit flip on the
     only contributor) cannot be replayed from it; applying the round on other weights would
-    write a row of another hash. The node then takes the members' state again."""
+    write a row of another hash; so would applying it at another outer step count (a round
+    it missed). The node then takes the members' state again."""
     agreed = outer.mesh.agreed_outer
-    if agreed is None or agreed[0] != outer.outer_steps:
+    if agreed is None:
         return
+    if agreed[0] != outer.outer_steps:
+        raise JoinedLate(
+            f"this node is at outer step {outer.outer_steps}, the contributors at {agreed[0]}: "
+            "it missed or repeated a round; it takes the members' state again"
+        )
     mine = outer.rounds.node_digest()
     if mine != agreed[1]:
         raise JoinedLate(
