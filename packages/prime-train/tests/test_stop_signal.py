@@ -48,3 +48,52 @@ def test_a_stop_signal_inside_the_all_reduce_is_not_an_all_reduce_failure(tmp_pa
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stopped: SIGTERM received before training began" in out.stdout, out.stdout
+
+
+REJOIN = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import prime_train.outer_boundary as ob
+    from prime_mesh import CoordinatorLost
+    from prime_train.stop import StopSignal, StoppedEarly
+
+    calls = []
+
+    def listening_long(run, outer, error, rejoins, bound):  # a rejoin whose snapshot never comes
+        calls.append(rejoins)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        return 0
+
+    ob.rejoin_running_job = listening_long
+    with StopSignal() as stop:  # the loop's: a first signal only asks
+        boundary = object.__new__(ob.OuterBoundary)  # what `_rejoin` reads of a live boundary
+        boundary.stop, boundary.can_rejoin, boundary.elastic = stop, True, object()
+        boundary.run = None
+        boundary.rejoins = boundary.lost = boundary.missed = 0
+        for case in ("signalled while rejoining", "signalled before the rejoin"):
+            t = time.monotonic()
+            try:
+                boundary._rejoin(CoordinatorLost("the coordinator went away"))
+                print(case, "returned")
+            except StoppedEarly as e:
+                print(f"{case}: stopped after {time.monotonic() - t:.1f}s, {len(calls)} call(s):", e)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_signal_while_a_node_rejoins_mid_run_stops_it_at_once(tmp_path):
+    """A node evicted mid-run rejoins by itself, which may listen until the mesh's
+    join_timeout: a SIGTERM then (or one received before it began) ends the node at once,
+    as during a first join, not at the end of the rejoin."""
+    out = subprocess.run([sys.executable, "-c", REJOIN], capture_output=True, text=True,
+                         timeout=100)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout
+    during, before = lines
+    assert during.startswith("signalled while rejoining: stopped after 0."), during
+    assert during.endswith("1 call(s): SIGTERM received while rejoining the running job"), during
+    # the signal was taken: the next rejoin does not start
+    assert before.startswith("signalled before the rejoin: stopped after 0.0s, 1 call(s):"), before

@@ -205,8 +205,9 @@ def _train(cfg: Config) -> int:
         print(f"prime-train: {e}; nothing to do", file=sys.stderr)
         return 0
     except StoppedEarly as e:  # asked to stop: done, with nothing to save
-        print(f"prime-train: {e} (loading or joining): nothing of this node's to save yet; it "
-              "left the mesh. Rerun the same command to start again", file=sys.stderr)  # fmt: skip
+        print(f"prime-train: {e}: nothing of this node's to save (its last checkpoint, if "
+              "any, stands); it left the mesh. Rerun the same command to start again",
+              file=sys.stderr)  # fmt: skip
         return 0
     except (MeshError, OuterStepFailed) as e:
         print(f"prime-train: {type(e).__name__}: {e}", file=sys.stderr)

@@ -9,7 +9,10 @@ membership is lost there.
 - evicted (a cut link, a stall, left out of a round: `MeshEvicted`) or the coordinator lost
   (`CoordinatorLost`): rejoin the others by itself through live recovery
   (`diloco/rejoin.py`), when it can; with `overlap = "delayed"` too (its round in flight is
-  dropped: the members' state it loads holds that round when they committed it).
+  dropped: the members' state it loads holds that round when they committed it). A stop
+  signal during the rejoin, or one received before it, ends the node at once (exit 0, its
+  last checkpoint stands), as during a first join: the rejoin may listen for as long as the
+  mesh's join_timeout.
 
 With `[diloco] round_seconds = T > 0` a round ends when it has lasted T seconds from its
 first inner step, or would after one more step at the node's recent pace (at least
@@ -45,13 +48,14 @@ from prime_train.diloco.rejoin import (
 )
 from prime_train.run import Run
 from prime_train.seam import ElasticOuterStep, OuterStep, OuterStepReport
+from prime_train.stop import StopSignal
 
 
 class OuterBoundary:
     """The outer step at each boundary of the loop, and its committed state (module doc)."""
 
-    def __init__(self, run: Run, outer: OuterStep, start: int):
-        self.run, self.outer = run, outer
+    def __init__(self, run: Run, outer: OuterStep, start: int, stop: StopSignal):
+        self.run, self.outer, self.stop = run, outer, stop
         # a mesh node's outer step (train() checked it implements the elastic seam)
         self.elastic = outer if isinstance(outer, ElasticOuterStep) else None
         # an overlapped step drops its round in flight on the loss (`reattach`): the state it
@@ -132,7 +136,8 @@ class OuterBoundary:
             check_missed_allowed(self.run, error, self.missed)
         else:
             self.lost += 1
-        return rejoin_running_job(self.run, self.elastic, error, self.rejoins, bound=self.lost)
+        with self.stop.at_once_during("while rejoining the running job"):
+            return rejoin_running_job(self.run, self.elastic, error, self.rejoins, bound=self.lost)
 
     def checkpoint(self, step: int) -> int:
         """Checkpoint inner step `step` (a boundary); returns the step the loop continues

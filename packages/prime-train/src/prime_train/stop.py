@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,7 +16,8 @@ from prime_train.placement import Placement
 
 class StoppedEarly(BaseException):
     """A stop signal before the loop began (loading, or joining a running job: waiting,
-    fetching, listening): this process holds nothing of its own to save yet. A BaseException,
+    fetching, listening) or while the node rejoins it: this process holds nothing of its own
+    to save (a rejoiner's last checkpoint stands; its state since is not the members'). A BaseException,
     as KeyboardInterrupt is: raised wherever the main thread is, it must not be taken for that
     code's own failure (a churn run found a listener's SIGTERM, landing in its all-reduce,
     counted as a failed all-reduce: the node joined again instead of exiting)."""
@@ -28,6 +31,7 @@ class StopSignal:
     def __init__(self, at_once: bool = False) -> None:
         self.signal: str | None = None
         self.at_once = at_once
+        self._during = "before training began"  # what StoppedEarly says the node was doing
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -37,7 +41,21 @@ class StopSignal:
                 sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
             )
         if self.at_once:
-            raise StoppedEarly(f"{self.signal} received before training began")
+            raise StoppedEarly(f"{self.signal} received {self._during}")
+
+    @contextmanager
+    def at_once_during(self, what: str) -> Iterator[None]:
+        """Within: a stop signal, or one received already, raises StoppedEarly at once
+        (`what`: the node's wait, for the message), as before the loop: a rejoin may listen
+        for as long as the mesh's join_timeout, far past any stop bound."""
+        if self.signal is not None:
+            raise StoppedEarly(f"{self.signal} received {what}")
+        at_once, during = self.at_once, self._during
+        self.at_once, self._during = True, what
+        try:
+            yield
+        finally:
+            self.at_once, self._during = at_once, during
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():

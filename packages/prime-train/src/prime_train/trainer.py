@@ -220,8 +220,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
         start, eval_loss = begin(run, outer)
     step = start
     meter = Meter(run)  # loss and tokens/s over the steps since the last progress line
-    boundary = OuterBoundary(run, outer, start) if outer is not None else None
     with StopSignal() as stop:
+        boundary = OuterBoundary(run, outer, start, stop) if outer is not None else None
         while step < total:
             step += 1
             faults.stall_training(step, log)  # a test's stuck node (off unless set)
