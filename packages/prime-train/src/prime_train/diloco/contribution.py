@@ -13,11 +13,16 @@ overflow) is caught at the sync point: each contributing rank states its squared
 and the coordinator tells a node whose norm exceeds `diloco.norm_bound` (default 10) times
 the median of the other nodes' (`prime_mesh.norms`); that node then contributes nothing to
 the round, the same way.
+
+A node of several ranks decides for all of them (`every_rank`): each rank checks its own
+shard, and one bad shard leaves the whole node out, or its ranks' groups would count its
+reads differently and its data slots drift apart.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from prime_train import faults
 from prime_train.metrics import Log
@@ -50,6 +55,15 @@ def outlier(why: str | None, outer_step: int, bound: float, log: Log | None) -> 
         return False
     _left_out(outer_step, f"{why}; diloco.norm_bound = {bound:g}", log)
     return True
+
+
+def every_rank(contributing: bool, node_group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of this node contributes (`node_group`: its ranks, None: one)."""
+    if node_group is None:
+        return contributing
+    every: list[bool | None] = [None] * dist.get_world_size(node_group)
+    dist.all_gather_object(every, contributing, group=node_group)
+    return all(every)
 
 
 def _left_out(outer_step: int, why: str, log: Log | None) -> None:

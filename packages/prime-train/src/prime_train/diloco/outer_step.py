@@ -41,7 +41,7 @@ from prime_mesh import MeshError
 from prime_train import faults
 from prime_train.config import DilocoConfig
 from prime_train.diloco.average import Averaged, average_pseudo_gradient
-from prime_train.diloco.contribution import outlier, stated_norm
+from prime_train.diloco.contribution import every_rank, outlier, stated_norm
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
 from prime_train.diloco.join_side import JoinSide
@@ -230,8 +230,6 @@ class Diloco(JoinSide):
         outer_step = self.outer_steps + 1
         norm2 = stated_norm(part.pseudo_gradient, outer_step, self.log) if contributing else None
         contributing = norm2 is not None
-        if not contributing:
-            part.pseudo_gradient.zero_()
         t = time.monotonic()
         self.mesh.maybe_reinit_global_pg(  # a listener may come a round early:
             listening=self.listener is not None,  # not its clock
@@ -240,6 +238,8 @@ class Diloco(JoinSide):
         )
         if contributing and outlier(self.mesh.norm_outlier, outer_step, self.cfg.norm_bound,
                                     self.log):  # fmt: skip
+            contributing = False
+        if not every_rank(contributing, self.node_group):  # (one bad shard: the node's out)
             contributing = False
             part.pseudo_gradient.zero_()
         return contributing, time.monotonic() - t
