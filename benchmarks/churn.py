@@ -3,14 +3,14 @@ checked from every node's rows.
 
     uv run python benchmarks/churn.py                     # 20 seeds; prints how many held
     uv run python benchmarks/churn.py --seed 7 --runs 1   # replay seed 7's schedule
-    uv run python benchmarks/churn.py --quick --runs 2 --faults nan   # CI's two short seeds
+    uv run python benchmarks/churn.py --quick --seeds 0 7 --faults nan   # CI's two short seeds
 
 Each seed draws a schedule (`draw`) in benchmarks/wan_chaos_schedule.py's language from its
 own random generator: SIGKILL and rerun, SIGTERM and rerun, SIGSTOP past the heartbeat
 timeout, fresh joiners, a member leaving while another node listens, a coordinator SIGKILL and
 restart, one node whose outer weights are perturbed and one whose pseudo-gradient holds a NaN
-at an outer step drawn too (`draw_faults`, prime_train.faults' hooks); then every node still down is rerun, the job settles and every node is stopped with
-SIGTERM. The job (benchmarks/wan_chaos_job.py) runs `prime-mesh coordinator` and every node as
+at an outer step drawn too (`draw_faults`, prime_train.faults' hooks); then every node still
+down is rerun, the job settles and every node is stopped with SIGTERM. The job (benchmarks/wan_chaos_job.py) runs `prime-mesh coordinator` and every node as
 `prime-train` in its own network namespace and working folder, on --mbit links. The same seed
 and settings draw the same schedule (the events' exact times depend on the machine).
 
@@ -21,7 +21,9 @@ A run holds when, from all nodes' metrics rows:
 - no stretch without a commit longer than the sync timeout (--sync-timeout);
 - every node process exits 0 (except the ones the schedule SIGKILLed), and no namespace or
   process is left behind.
-Prints each run's seed, schedule and checks, then a summary; exits 1 unless every run held.
+Prints each run's seed, schedule and checks, and how often the fault hooks fired (a node
+stopped before its hook's outer step never fires it), then a summary; exits 1 unless every
+run held.
 Without root it says so and exits 0.
 """
 
@@ -42,6 +44,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import wan_chaos_report as report  # noqa: E402
 import wan_chaos_schedule as schedule  # noqa: E402
 from wan_chaos import bed_workdir, run_job  # noqa: E402
+
+from prime_mesh.round_requests import DIVERGED  # noqa: E402
 
 CHECKS = ("one_hash_per_outer_step", "no_rollback", "slot_chains", "commit_gaps",
           "processes_exit_0", "no_namespace_or_process_left")  # fmt: skip
@@ -208,6 +212,17 @@ def check(job, left: list[str], sync_timeout: float) -> dict[str, object]:
     }
 
 
+LEFT_OUT = "pseudo-gradient is left out of the round"  # prime_train.diloco.contribution's
+
+
+def fired(folder: Path) -> str:
+    """How often the drawn fault hooks showed in the nodes' logs (a node stopped before its
+    hook's outer step never fires it): rounds left out for a NaN, perturbed nodes told."""
+    logs = [p.read_text(errors="replace") for p in sorted(folder.glob("node*.log"))]
+    return (f"{sum(t.count(LEFT_OUT) for t in logs)} round(s) left out, "
+            f"{sum(t.count(DIVERGED) for t in logs)} node(s) told their weights differ")  # fmt: skip
+
+
 def run_seed(seed: int, args, workdir: Path) -> dict:
     text = draw(seed, args.events, args.nodes, args.heartbeat_timeout)
     args.faults = draw_faults(seed, args.nodes, args.faults_drawn)
@@ -223,6 +238,7 @@ def run_seed(seed: int, args, workdir: Path) -> dict:
     held = all(checks[c] for c in CHECKS)
     for c in CHECKS:
         print(f"  {'ok  ' if checks[c] else 'FAIL'} {c.replace('_', ' ')}")
+    print(f"  fault hooks that fired: {fired(job.dir)}")
     if not held:
         detail = {k: v for k, v in checks.items() if k not in CHECKS and v}
         print(f"  details: {detail}")
@@ -235,6 +251,8 @@ def parse_args(argv: list[str] | None):
     )
     ap.add_argument("--seed", type=int, default=0, help="the first seed (default 0)")
     ap.add_argument("--runs", type=int, default=20, help="seeds to run, from --seed (default 20)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="these seeds instead of --seed and --runs")  # fmt: skip
     ap.add_argument("--events", type=int, default=12, help="events per run (default 12)")
     ap.add_argument("--quick", action="store_true", help="6 events a run (CI)")
     ap.add_argument("--nodes", type=int, default=3, help="nodes at the start (default 3)")
@@ -255,6 +273,9 @@ def parse_args(argv: list[str] | None):
     args = ap.parse_args(argv)
     if args.quick:
         args.events = 6
+    if args.seeds is None:
+        args.seeds = list(range(args.seed, args.seed + args.runs))
+    args.runs = len(args.seeds)
     # what wan_chaos_job.Job reads: the run never ends by itself, the schedule's stop ends it
     args.model, args.steps, args.eval_every, args.rerun = "debug", 100_000, 100_000, False
     args.extra_args = ["--data.slots", str(args.slots),
@@ -270,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     started = time.time()
     try:
-        for seed in range(args.seed, args.seed + args.runs):
+        for seed in args.seeds:
             results.append(run_seed(seed, args, workdir))
     finally:
         held = [r["seed"] for r in results if r["held"]]

@@ -1,7 +1,12 @@
 """benchmarks/churn.py: its seeded schedules and its checks (quick), and two short seeds run as
 a user runs them on the WAN bed (wan): every node ends with one weight hash per outer step,
-every slot's reads one chain from 0, no long stretch without a commit, every process exit 0."""
+every slot's reads one chain from 0, no long stretch without a commit, every process exit 0.
+The two seeds together draw every kind of event: a joiner and a member SIGKILLed while it
+listens, SIGTERM, SIGSTOP past the heartbeat timeout, a coordinator SIGKILL and restart,
+reruns; and a NaN node."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,13 +88,26 @@ def test_commit_gaps_find_a_stretch_without_a_commit():
     assert churn.commit_gaps(job_of(rows), 40.0) == []
 
 
+CI_SEEDS = (0, 7)
+
+
+def test_the_ci_seeds_draw_every_kind_of_event_and_a_leave_while_listening():
+    drawn = [schedule.parse(churn.draw(s, 6, 3, 4.0), 3) for s in CI_SEEDS]
+    assert {e.kind for events in drawn for e in events} == {
+        "kill", "term", "restart", "stall", "add", "stop", "kill-coordinator",
+        "restart-coordinator"}  # fmt: skip
+    first = drawn[0]  # a fresh node, and a member SIGKILLed 3.8 s later while it listens
+    assert [e.kind for e in first[:2]] == ["add", "kill"], first
+
+
 @pytest.mark.wan
-@pytest.mark.skipif(bed_unavailable_reason() is not None, reason=str(bed_unavailable_reason()))
+@pytest.mark.skipif(bed_unavailable_reason() is not None and not os.environ.get("CI"),
+                    reason=str(bed_unavailable_reason()))  # fmt: skip
 @pytest.mark.timeout(900)
 def test_two_short_seeds_of_random_churn_hold():
     r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "churn.py"), "--quick", "--runs", "2",
-         "--seed", "100", "--timeout", "360", "--faults", "nan"],
+        [sys.executable, str(ROOT / "benchmarks" / "churn.py"), "--quick", "--seeds",
+         *map(str, CI_SEEDS), "--timeout", "360", "--faults", "nan"],
         capture_output=True, text=True, timeout=840,
     )  # fmt: skip
     out = r.stdout + r.stderr
@@ -98,3 +116,7 @@ def test_two_short_seeds_of_random_churn_hold():
     assert out.count("PRIME_TRAIN_FAULT_NAN_AT=") == 2, out[-4000:]  # a NaN node in each
     for check in churn.CHECKS:
         assert out.count(f"ok   {check.replace('_', ' ')}") == 2, (check, out[-4000:])
+    left_out = [
+        int(n) for n in re.findall(r"fault hooks that fired: (\d+) round\(s\) left out", out)
+    ]
+    assert len(left_out) == 2 and sum(left_out) >= 1, out[-4000:]  # the NaN node was left out
