@@ -174,7 +174,7 @@ def node_args(args: argparse.Namespace) -> list[str]:
         model += ["--model.vocab_size", str(args.vocab_size)]
     return [*model, "--data.source", "synthetic", "--data.seq_len", "64",
             "--train.batch_size", "1", "--train.threads", "1", "--ckpt.every", "10",
-            "--ckpt.keep", "2", "--run.log_every", "5",
+            "--ckpt.keep", "2", "--run.log_every", "5", "--mesh.serve_mbit", str(args.serve_mbit),
             "--train.stop_within_s", str(args.stop_within_s), *args.extra]  # fmt: skip
 
 
@@ -201,8 +201,9 @@ def outer_figures(rows: list[dict], memcpy_s: float) -> dict:
     }
 
 
-def joiner_figures(rows: list[dict], started: float) -> dict:
-    """The joiner's snapshot and start to first contribution."""
+def joiner_figures(rows: list[dict], started: float, serve_mbit: float) -> dict:
+    """The joiner's snapshot and start to first contribution; with a cap (`serve_mbit`, the
+    joiner's twice it: `mesh.fetch_mbit`'s default), the moving rate over the joiner's cap."""
     joined = next((r for r in rows if r.get("joined")), None)
     first = next((r for r in outer_rows(rows)
                   if r["contributors"] == r["nodes"] and r["outer_step"] > 0
@@ -218,6 +219,15 @@ def joiner_figures(rows: list[dict], started: float) -> dict:
         "snapshot_held_s": round(joined["fetch_held_seconds"], 2),
         "snapshot_fsync_s": round(joined["fetch_commit_seconds"], 2),
         "snapshot_moving_MB_s": round(joined["fetch_bytes"] / 1e6 / max(moving, 1e-9), 1),
+        **(
+            {
+                "snapshot_moving_of_cap": round(
+                    joined["fetch_bytes"] / max(moving, 1e-9) / (2 * serve_mbit * 1e6 / 8), 2
+                )
+            }
+            if serve_mbit
+            else {}
+        ),  # fmt: skip
         "start_to_first_contribution_s": round(first["time"] - started, 1) if first else None,
     }
 
@@ -349,7 +359,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
             "disk_B_per_param": round(peak["disk"] / params, 1),
             **outer_figures(rows, memcpy_s),
             **blocking_figures(rows, params),
-            **(joiner_figures(rows, started[name]) if name == "joiner" else {}),
+            **(joiner_figures(rows, started[name], args.serve_mbit) if name == "joiner" else {}),
             **exits.get(name, {}),
             **stop_figures(work / name),
         }
@@ -372,6 +382,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ckpt.remote at an S3 endpoint that hangs or refuses (stopping with a "
                     "remote that fails)")  # fmt: skip
     ap.add_argument("--stop-within-s", type=float, default=25.0, help="train.stop_within_s")
+    ap.add_argument("--serve-mbit", type=float, default=0.0,
+                    help="mesh.serve_mbit, each donor's cap (default 0: none, the snapshot's "
+                         "rate over loopback; the joiner's cap is twice it)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=1800.0, help="bound on each wait, seconds")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: a temporary one)")
     ap.add_argument(
