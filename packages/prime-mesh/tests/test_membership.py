@@ -223,6 +223,21 @@ def test_a_member_with_other_outer_weights_is_told_and_evicted():
     assert [conn.replies(5)[0]["result"] for _, conn in nodes[:2]] == [True, True]
 
 
+def test_a_contributor_with_another_outer_step_count_is_evicted_as_one_with_other_weights():
+    """The same weights at another outer step count (a round applied twice or missed, its
+    weights equal by chance or not yet changed): the count is part of the state compared."""
+    m = Membership(min_nodes=3)
+    nodes = [_register(m, k) for k in "abc"]
+    _sync_all(m, nodes)
+    epoch = m.epoch
+    for (node, conn), count in zip(nodes, [4, 4, 5], strict=True):
+        m.vote(node, 0, conn, 3, {"epoch": epoch, "seq": 0, "ok": True, "outer": [count, "h1"]})
+    assert [conn.replies(3)[0]["result"] for _, conn in nodes] == [False, False, False]
+    evicted = [msg for msg in nodes[2][1].sent if msg.get("type") == "evicted"]
+    assert evicted and "outer step 5 with hash h1" in evicted[0]["reason"], evicted
+    assert states_by_key(m) == {"a": "member", "b": "member"}
+
+
 def test_a_ballot_without_outer_state_is_not_compared():
     """A member that did not contribute (a joiner whose state may lag until it caught up)
     votes without its outer state: the others' agreement alone decides."""

@@ -72,6 +72,13 @@ class MeshConfig(Section):
         "before checkpointing the last committed outer step and exiting; also how long a "
         "starting node waits for a coordinator that does not answer yet",
     )
+    join_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="the longest a joining node waits to be admitted, and then listens to the "
+        "members' rounds without catching up (its snapshot and the rounds it missed did not "
+        "come), before it gives up and exits 1",
+    )
     token: SecretStr | None = Field(
         None, description="shared secret; only from PRIME_TOKEN, never on the command line"
     )

@@ -84,6 +84,7 @@ class Membership:
                 heartbeat_interval=cfg.mesh.heartbeat_interval_s,
                 heartbeat_timeout=cfg.mesh.heartbeat_timeout_s,
                 coordinator_grace_s=cfg.mesh.coordinator_grace_s,
+                join_timeout=cfg.mesh.join_timeout_s,
                 sync_timeout=cfg.diloco.sync_timeout_s or None,  # 0: the coordinator's auto
                 wait_until_ready="auto",
             )
