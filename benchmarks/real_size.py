@@ -15,7 +15,9 @@ uint8, synthetic data, a checkpoint every 10 steps, 2 kept); once the members co
 - the outer step's own seconds per round, the rows' `outer_own_s` (the node's passes over
   the model: pseudo-gradient, Nesterov and the copy into the model, the weight hash, the
   replay log's entry), the median, against a one-thread memcpy of the fp32 weights timed in
-  this process (`outer_own_over_memcpy`); the rest of a round besides its inner compute,
+  this process (`outer_own_over_memcpy`), and the same for the CPU seconds of the thread
+  that ran them (`outer_own_cpu_over_memcpy`: with three nodes on two cores, wall time
+  counts the others' turns too); the rest of a round besides its inner compute,
   all-reduce and sync point (`round_rest_s`: the vote's wait for the others, metrics, ...)
   over rounds that followed no checkpoint; checkpoint blocking: the same median over the
   rounds that followed a checkpoint, less that one, and as the node counted it (the
@@ -184,6 +186,7 @@ def outer_figures(rows: list[dict], memcpy_s: float) -> dict:
     if not outer:
         return {}
     own = statistics.median(r["outer_own_s"] for r in outer)
+    own_cpu = statistics.median(r["outer_own_cpu_s"] for r in outer)
     # besides its inner compute, all-reduce and sync point, a round holds the previous
     # boundary's work: its checkpoint every 10 steps, the vote, the metrics
     rest = {r["step"]: r["round_s"] - r["compute_s"] - r["allreduce_seconds"]
@@ -194,6 +197,8 @@ def outer_figures(rows: list[dict], memcpy_s: float) -> dict:
         "rounds": len(outer),
         "outer_own_s": round(own, 3),
         "outer_own_over_memcpy": round(own / memcpy_s, 1),
+        # the CPU the passes took (one torch thread): what other nodes' load does not inflate
+        "outer_own_cpu_over_memcpy": round(own_cpu / memcpy_s, 1),
         "round_rest_s": round(statistics.median(clean), 3) if clean else None,
         "ckpt_blocking_s": round(statistics.median(after_ckpt) - statistics.median(clean), 3)
         if clean and after_ckpt

@@ -283,6 +283,9 @@ def test_two_fragments_with_overlap_by_hand(children, tmp_path):
     assert rows[0] == rows[1] == [(1, 4, 2, 0), (2, 6, 4, 1), (3, 6, 6, 0)]
     assert [r["outer_sha256"] for r in a["rows"]] == [r["outer_sha256"] for r in b["rows"]]
     assert len({r["outer_sha256"] for r in a["rows"]}) == 3
+    # each row counts the outer step's own passes: wall, and the CPU of the thread (<= wall)
+    own = [(r["outer_own_s"], r["outer_own_cpu_s"]) for r in a["rows"] + b["rows"]]
+    assert all(0 <= cpu <= wall + 1e-3 for wall, cpu in own), own
     # layout: embed[0], embed[1], layers.0 (fragment 0) | head, layers.1 (fragment 1); init
     # [1, 2, 10 | 5, 20]. d = +1 (rank 0) / +3 (rank 1) per round, +2 on average.
     init = [1.0, 2.0, 10.0, 5.0, 20.0]

@@ -30,8 +30,7 @@ model, chosen by the committed count (`diloco/fragments.py`, `part`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -114,8 +113,6 @@ class Diloco(JoinSide):
         self.replay_log = replay_log
         self.listener: Listener | None = None  # while this joiner listens (`listen`)
         self.admitted_now = False  # this member's last round admitted a node (checkpoint)
-        # the node's own passes over the model since the last row (the rows' `outer_own_s`)
-        self.own_seconds = 0.0
         with suppress(MeshError):  # a joiner: not admitted yet (a lost coordinator: not raised)
             self.rounds.last_epoch, members = mesh.installed_group
             self.rounds.nodes_now = len(members)
@@ -142,7 +139,7 @@ class Diloco(JoinSide):
         if self._started is not None:
             raise RuntimeError("the previous outer step was started but not finished")
         self._started = (step, time.monotonic())
-        with self._own():
+        with self.rounds.own.counting():
             self.part.compute_pseudo_gradient()
 
     def finish(self) -> OuterStepReport:
@@ -175,7 +172,7 @@ class Diloco(JoinSide):
             for attempt in range(1, self.max_retries + 2):
                 part = sync_part(self)  # (a listener's: the members' fragment)
                 if attempt > 1:  # the failed all-reduce may have overwritten the buffer
-                    with self._own():
+                    with self.rounds.own.counting():
                         part.compute_pseudo_gradient()
                 before = members_before(self.mesh)
                 contributing, sync_seconds = self._sync_point(part, contributing)
@@ -190,7 +187,7 @@ class Diloco(JoinSide):
                         return None  # a round it only listened to
                     step = settled
                     fragment = self.fragments.index(self.outer_steps)  # (before it counts)
-                    with self._own():
+                    with self.rounds.own.counting():
                         self.part.apply()
                     extra = self._commit_data(got.consumed, self.mesh.installed_group[1])
                     seconds = time.monotonic() - t0
@@ -198,7 +195,6 @@ class Diloco(JoinSide):
                     self.admitted_now = bool(cost)  # (its snapshot: checkpoint this round)
                     extra = {**(extra or {}), **self.feedback.metrics(), **cost,
                              "sync_seconds": round(sync_seconds, 3),  # (waiting for the others)
-                             "outer_own_s": self.own_seconds,
                              **({"fragment": fragment} if self.fragments.count > 1 else {}),
                              **round_counts(self.round_inner_steps, self.data, got.consumed,
                                             reads if contributing and got.late is None
@@ -207,7 +203,6 @@ class Diloco(JoinSide):
                         self.mesh, step, attempt, seconds, got.stats, got.contributors,
                         extra=extra,
                     )  # fmt: skip
-                    self.own_seconds = 0.0
                     self.log_update(report, encoded=got.encoded)
                     return report
                 errors.append(got.error or "a peer failed")
@@ -288,7 +283,7 @@ class Diloco(JoinSide):
         if self.replay_log is None:
             return
         rank = self.local_rank
-        with self._own():  # (packed here: counted in the next round's row)
+        with self.rounds.own.counting():  # (packed here: counted in the next round's row)
             entry = Entry(
                 outer_step=report.outer_step,
                 step=report.step if step is None else step,
@@ -301,15 +296,6 @@ class Diloco(JoinSide):
                 shared=self.data.shared_state() if self.data is not None else {},
             ).pack(encoded)
         self.replay_log.append(entry)  # (waits for the last entry's write first)
-
-    @contextmanager
-    def _own(self) -> Iterator[None]:
-        """Count the block's seconds as the outer step's own work (`outer_own_s`)."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.own_seconds += time.perf_counter() - t
 
     def _commit_data(
         self, consumed: list[float] | None, members: tuple[str, ...] | list[str]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -24,6 +26,33 @@ if TYPE_CHECKING:
     import prime_comm
     from prime_mesh import ElasticDeviceMesh
     from prime_train.slot_loader import SlotLoader
+
+
+class OwnWork:
+    """The outer step's own passes over the model since the last row (pseudo-gradient,
+    Nesterov and the copy into the model, the weight hash, the update log's entry): wall
+    seconds (`outer_own_s`) and the CPU seconds of the thread that ran them
+    (`outer_own_cpu_s`: all of their work with one torch thread, `train.threads = 1`; the
+    figure a busy machine does not inflate, where other processes take the cores)."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the block as the outer step's own work."""
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.wall += time.perf_counter() - t
+            self.cpu += time.thread_time() - c
+
+    def take(self) -> dict[str, float]:
+        """The row's figures; counting starts again."""
+        row = {"outer_own_s": round(self.wall, 4), "outer_own_cpu_s": round(self.cpu, 4)}
+        self.wall = self.cpu = 0.0
+        return row
 
 
 def combined_digest(shards: list[str]) -> str:
@@ -122,6 +151,7 @@ class RoundLog:
         self.last_epoch: int | None = None  # of the last report (a new one is logged)
         self.nodes_now = 0  # as of the last outer step
         self.last_shards: list[str] = []  # each local rank's shard hash after the last one
+        self.own = OwnWork()  # the outer step's own passes, for the next row
 
     @property
     def outer_steps(self) -> int:
@@ -176,10 +206,9 @@ class RoundLog:
         """Count, log and write one applied outer step (`extra`: more keys for its row)."""
         epoch, members = mesh.installed_group  # (an eviction noticed since the vote: still ours)
         faults.perturb_outer(self.totals["outer_steps"] + 1, self.optimizer.weights, self.log)
-        t_hash = time.perf_counter()
-        shards, node_bytes = self.node_figures(stats.bytes_sent if stats else 0)
-        if extra is not None and "outer_own_s" in extra:  # the hash is the step's own work too
-            extra["outer_own_s"] = round(extra["outer_own_s"] + time.perf_counter() - t_hash, 4)
+        with self.own.counting():  # the hash is the step's own work too
+            shards, node_bytes = self.node_figures(stats.bytes_sent if stats else 0)
+        extra = {**(extra or {}), **self.own.take()}
         self.last_shards = shards
         compute, wall = self.end_round()
         t = self.totals
