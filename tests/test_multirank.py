@@ -24,6 +24,7 @@ from prime_testkit import (
     wait_exit,
     wait_until,
 )
+from prime_testkit.fixed_data import IndexDataset
 from prime_train.slot_loader import SlotLoader
 
 TOKEN = "multirank-test-token"
@@ -77,21 +78,10 @@ def test_data_slots_of_a_run_never_overlap():
     sequence."""
     n_seqs, batch, steps, slots = 10_000, 4, 600, 8
 
-    class Indices:  # a dataset whose sequences are their own index
-        seq_len = 1
-
-        def __len__(self):
-            return n_seqs
-
-        def __getitem__(self, i):
-            import torch
-
-            return torch.tensor([i, i])
-
     seen: dict[int, tuple[str, int]] = {}
     for node in ("a", "b"):
         for rank in range(2):
-            loader = SlotLoader(Indices(), batch, slots, node, rank, 2, seed=3)
+            loader = SlotLoader(IndexDataset(n_seqs), batch, slots, node, rank, 2, seed=3)
             loader.reassign(["a", "b"])
             for _ in range(steps):
                 inputs, _ = loader.next_batch()

@@ -8,10 +8,7 @@ import pytest
 import torch
 
 from prime_ckpt import CheckpointError, CheckpointManager
-
-
-def state(value: float) -> dict:
-    return {"w": torch.full((1 << 16,), value), "opt": {"m": torch.full((7,), value)}, "n": 3}
+from prime_testkit import small_state
 
 
 class HeldStaging:
@@ -35,7 +32,7 @@ class HeldStaging:
 def test_save_returns_before_the_copy_and_the_checkpoint_holds_the_values_at_save(tmp_path):
     with CheckpointManager(tmp_path / "ckpt", shm_dir=tmp_path / "shm") as mgr:
         held = HeldStaging(mgr)
-        live = state(1.0)
+        live = small_state(1.0)
         handle = mgr.save(1, live, stage_in_background=True)
         assert held.started.wait(60) and not handle.staged(0), "copied before save() returned"
         live["n"] = 4  # plain values were taken at save()
@@ -45,10 +42,10 @@ def test_save_returns_before_the_copy_and_the_checkpoint_holds_the_values_at_sav
         live["w"].fill_(9.0)  # the caller's next change: after the copy
         live["opt"]["m"].fill_(9.0)
         handle.wait(60)
-        target = state(0.0)
+        target = small_state(0.0)
         assert mgr.load(1, target) == 1
-        assert torch.equal(target["w"], state(1.0)["w"]) and target["n"] == 3
-        assert torch.equal(target["opt"]["m"], state(1.0)["opt"]["m"])
+        assert torch.equal(target["w"], small_state(1.0)["w"]) and target["n"] == 3
+        assert torch.equal(target["opt"]["m"], small_state(1.0)["opt"]["m"])
         assert [(c.step, c.tier) for c in mgr.list()] == [(1, "ram"), (1, "disk")]
 
 
@@ -70,7 +67,7 @@ def test_a_wait_for_the_first_keys_returns_before_the_later_ones_are_copied(tmp_
             return stage(step, items, total, meta, told)
 
         mgr._stager.stage = stage_pausing_after_w
-        live = state(1.0)
+        live = small_state(1.0)
         handle = mgr.save(1, live, stage_in_background=True)
         assert paused.wait(60)
         mgr.wait_staged(("w",))  # returns while the copy is paused
@@ -81,17 +78,17 @@ def test_a_wait_for_the_first_keys_returns_before_the_later_ones_are_copied(tmp_
         assert handle.staged(0, keys=("opt",))
         live["opt"]["m"].fill_(9.0)
         handle.wait(60)
-        target = state(0.0)
+        target = small_state(0.0)
         assert mgr.load(1, target) == 1
-        assert torch.equal(target["w"], state(1.0)["w"])
-        assert torch.equal(target["opt"]["m"], state(1.0)["opt"]["m"])
+        assert torch.equal(target["w"], small_state(1.0)["w"])
+        assert torch.equal(target["opt"]["m"], small_state(1.0)["opt"]["m"])
 
 
 def test_a_load_waits_for_the_staging_it_would_write_under(tmp_path):
     with CheckpointManager(tmp_path / "ckpt", shm_dir=tmp_path / "shm") as mgr:
-        mgr.save(1, state(1.0)).wait(60)
+        mgr.save(1, small_state(1.0)).wait(60)
         held = HeldStaging(mgr)
-        live = state(2.0)
+        live = small_state(2.0)
         handle = mgr.save(2, live, stage_in_background=True)
         assert held.started.wait(60)
         loaded = []
@@ -103,15 +100,15 @@ def test_a_load_waits_for_the_staging_it_would_write_under(tmp_path):
         loader.join(60)
         assert loaded == [1] and live["w"][0] == 1.0
         handle.wait(60)
-        target = state(0.0)
+        target = small_state(0.0)
         assert mgr.load(2, target) == 2 and target["w"][0] == 2.0  # step 2 as it was saved
 
 
 def test_a_staging_past_the_bound_is_given_up_on_and_never_committed(tmp_path):
     with CheckpointManager(tmp_path / "ckpt", shm_dir=tmp_path / "shm", disk_timeout=0.5) as mgr:
-        mgr.save(1, state(1.0)).wait(60)
+        mgr.save(1, small_state(1.0)).wait(60)
         held = HeldStaging(mgr)
-        handle = mgr.save(2, state(2.0), stage_in_background=True)
+        handle = mgr.save(2, small_state(2.0), stage_in_background=True)
         mgr.wait_staged()  # returns once the bound passed: the save is failed, not waited on
         assert handle.done() and "not saved to disk" in (handle.error or ""), handle.error
         assert mgr.errors == 1
@@ -120,8 +117,8 @@ def test_a_staging_past_the_bound_is_given_up_on_and_never_committed(tmp_path):
         assert 2 not in mgr.committed_steps()  # its copy may be torn: never committed
         with pytest.raises(CheckpointError):
             handle.wait(0)
-        mgr.save(3, state(3.0), stage_in_background=True).wait(60)  # and the next save works
-        target = state(0.0)
+        mgr.save(3, small_state(3.0), stage_in_background=True).wait(60)  # and the next save works
+        target = small_state(0.0)
         assert mgr.load_latest(target) == 3 and target["w"][0] == 3.0
 
 
@@ -134,14 +131,14 @@ def test_a_full_ram_tier_fails_the_background_save_without_raising(tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     try:
         with CheckpointManager(tmp_path / "disk", shm_dir=small / "shm") as mgr:
-            mgr.save(1, state(1.0)).wait(60)
+            mgr.save(1, small_state(1.0)).wait(60)
             big = {"w": torch.zeros(1 << 19)}  # 2 MB into a 1 MiB RAM tier
-            handle = mgr.save(2, {**state(2.0), **big}, stage_in_background=True)
+            handle = mgr.save(2, {**small_state(2.0), **big}, stage_in_background=True)
             mgr.wait_staged()
             with pytest.raises(CheckpointError, match="staging step 2 .* No space left"):
                 handle.wait(60)
             assert mgr.errors == 1 and mgr.committed_steps() == [1]
-            target = state(0.0)
+            target = small_state(0.0)
             assert mgr.load_latest(target) == 1 and target["w"][0] == 1.0
     finally:
         os.system(f"umount -l {small}")

@@ -2,34 +2,24 @@
 
 import logging
 import os
-import subprocess
 import threading
-import uuid
 import warnings
 
 import pytest
 import torch
 
 from prime_ckpt import CheckpointError, CheckpointFailure, CheckpointManager, CheckpointWarning
-from prime_ckpt.faults import ENV
 from prime_ckpt.manifest import verify_dir
+from prime_testkit import small_disk_at
 
 
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch):
     """A 1 MiB tmpfs when we may mount one (root), else ENOSPC injected past the first save."""
-    d = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-    d.mkdir()
-    mounted = os.geteuid() == 0 and (
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)]).returncode == 0
-    )
-    if not mounted:
-        monkeypatch.setenv(ENV, "enospc@2,3")
-    try:
+    with small_disk_at(tmp_path, 1 << 20, enospc_at=(2, 3)) as (d, env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
         yield d
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def vec(n_kib: int, value: float) -> dict:

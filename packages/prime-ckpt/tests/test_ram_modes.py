@@ -15,10 +15,7 @@ from prime_ckpt import CheckpointManager
 from prime_ckpt.faults import ENV
 from prime_ckpt.manifest import verify_dir
 from prime_ckpt.staging import default_shm_dir, disk_staging_dir
-
-
-def state(value: float) -> dict:
-    return {"w": torch.full((1 << 16,), value), "opt": {"m": torch.full((7,), value)}, "n": 3}
+from prime_testkit import small_state
 
 
 def staged_bins(folder) -> list:
@@ -29,14 +26,14 @@ def test_disk_stages_in_a_folder_of_the_disk_dir_not_in_ram(tmp_path):
     disk = tmp_path / "ckpt"
     with CheckpointManager(disk, ram="disk") as mgr:
         assert mgr.shm_dir == disk_staging_dir(disk, 0) == disk / ".staging-r0"
-        mgr.save(1, state(1.0)).wait(60)
-        mgr.save(2, state(2.0)).wait(60)
+        mgr.save(1, small_state(1.0)).wait(60)
+        mgr.save(2, small_state(2.0)).wait(60)
         assert len(staged_bins(mgr.shm_dir)) == 1  # one slot, reused
         assert not default_shm_dir(disk, 0).exists()  # nothing in /dev/shm
         ram = [c for c in mgr.list() if c.tier == "ram"]
         assert [(c.step, c.path) for c in ram] == [(2, str(disk / ".staging-r0" / "slot-0"))]
         assert mgr.committed_steps(["disk"]) == [1, 2]  # the staging folder is never a step
-        target = state(0.0)
+        target = small_state(0.0)
         assert mgr.load_latest(target) == 2 and target["w"][0] == 2.0
     assert not (disk / ".staging-r0").exists()  # freed at close: everything is on disk
 
@@ -45,15 +42,15 @@ def test_off_writes_straight_to_disk_with_no_staging_copy(tmp_path):
     disk = tmp_path / "ckpt"
     with CheckpointManager(disk, ram="off") as mgr:
         assert mgr.shm_dir is None
-        s = state(1.0)
+        s = small_state(1.0)
         h = mgr.save(1, s)
         s["w"].fill_(99.0)  # training goes on at once: the checkpoint already has its copy
         h.wait(60)
         assert verify_dir(disk / "step-0000000001") == []
         assert not default_shm_dir(disk, 0).exists() and not disk_staging_dir(disk, 0).exists()
         assert [c.tier for c in mgr.list()] == ["disk"]
-        mgr.save(2, state(2.0)).wait(60)  # no RAM copy: loadable once on disk
-        target = state(0.0)
+        mgr.save(2, small_state(2.0)).wait(60)  # no RAM copy: loadable once on disk
+        target = small_state(0.0)
         assert mgr.load_latest(target) == 2 and target["w"][0] == 2.0 and target["n"] == 3
         assert mgr.load(1, target) == 1 and target["w"].eq(1.0).all()
     assert [p.name for p in disk.iterdir()] == ["step-0000000001", "step-0000000002"]

@@ -17,6 +17,7 @@ from prime_comm.reference import (
     quantize_ref,
     unpack_codes_ref,
 )
+from prime_testkit import available_simd_levels
 from prime_testkit.fixed_data import pseudo_random
 
 BLOCK = prime_comm.BLOCK
@@ -26,11 +27,6 @@ SIZES = [0, 1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1001]
 SIZES += [BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 12345]
 # Relative L2 round-trip error of Lloyd-Max quantization of a normal: 9.75% and 34.28%.
 BARS = {4: 0.0985, 2: 0.345}
-SIMD_LEVELS = ["scalar", "avx2", "avx512"]
-
-
-def available_simd_levels() -> list[str]:
-    return SIMD_LEVELS[: SIMD_LEVELS.index(_kernels.cpu_simd()) + 1]
 
 
 def test_encoded_size_formula():

@@ -14,6 +14,7 @@ import prime_comm
 from prime_comm import _kernels
 from prime_comm.reference import dequantize_ref as ref_decode
 from prime_comm.reference import quantize_ref as ref_quantize
+from prime_testkit import available_simd_levels
 from prime_testkit.fixed_data import pseudo_random
 
 BLOCK = prime_comm.BLOCK
@@ -59,13 +60,6 @@ def test_extreme_ranges_stay_finite_and_bounded():
     assert torch.isfinite(y).all() and y.min() >= x.min() and y.max() <= x.max()
     tiny = torch.tensor([0.0, 1e-45, 2e-45, 5e-45] * 100)  # bins narrower than a float step
     assert torch.equal(prime_comm.dequantize(prime_comm.quantize(tiny)), tiny)
-
-
-SIMD_LEVELS = ["scalar", "avx2", "avx512"]
-
-
-def available_simd_levels() -> list[str]:
-    return SIMD_LEVELS[: SIMD_LEVELS.index(_kernels.cpu_simd()) + 1]
 
 
 def test_output_identical_for_any_thread_count_and_simd_path():

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from prime_testkit import free_port
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(code: str, tmp_path: Path) -> str:

@@ -17,7 +17,7 @@ from prime_mesh import (
     MeshRefused,
 )
 from prime_mesh.wire import client_handshake, parse_address, read_frame, write_frame
-from prime_testkit import free_port, wait_until
+from prime_testkit import free_port, node_ids, wait_until
 
 TOKEN = "test-token-auth"
 MIN_NODES = 3  # of the `coordinator` fixture (conftest.py)
@@ -45,17 +45,13 @@ def _register_msg(key="node-key-1"):
     return {"type": "register", "id": 1, "node_key": key, "local_rank": 0, "local_world_size": 1}
 
 
-def _node_ids(coordinator):
-    return [n["node_id"] for n in coordinator.status()["nodes"]]
-
-
 def test_wrong_token_is_refused_on_both_sides(coordinator, caplog):
     caplog.set_level(logging.WARNING, logger="prime_mesh.coordinator")
     with pytest.raises(MeshAuthError, match="PRIME_TOKEN"):
         ElasticDeviceMesh(coordinator.address, token="not-the-token", wait=False)
     wait_until(lambda: "refused connection" in caplog.text, 10, what="coordinator log line")
     assert "authentication" in caplog.text
-    assert _node_ids(coordinator) == []
+    assert node_ids(coordinator) == []
 
 
 def test_missing_token_is_a_clear_error(coordinator, monkeypatch):
@@ -76,7 +72,7 @@ def test_token_from_environment(coordinator, monkeypatch):
         }  # readable before admission
     finally:
         mesh.close()
-    wait_until(lambda: _node_ids(coordinator) == [], 10, what="graceful leave")
+    wait_until(lambda: node_ids(coordinator) == [], 10, what="graceful leave")
 
 
 def test_replayed_message_inside_a_connection_is_refused(coordinator, caplog):
@@ -106,7 +102,7 @@ def test_replayed_registration_in_a_new_connection_is_refused(coordinator, caplo
     assert ch.recv()["node_id"] == "node-1"
     recorded = bytes(rec.sent)
     ch.close()
-    wait_until(lambda: _node_ids(coordinator) == [], 10, what="first connection to end")
+    wait_until(lambda: node_ids(coordinator) == [], 10, what="first connection to end")
 
     sock2 = _connect(coordinator)
     read_frame(sock2)  # the coordinator's hello, with a fresh nonce
@@ -114,7 +110,7 @@ def test_replayed_registration_in_a_new_connection_is_refused(coordinator, caplo
     refusal = msgpack.unpackb(read_frame(sock2))
     assert "authentication failed" in refusal["error"]
     sock2.close()
-    assert _node_ids(coordinator) == []
+    assert node_ids(coordinator) == []
     assert "bad message authentication code" in caplog.text
 
 
@@ -132,7 +128,7 @@ def test_forged_and_malformed_input_never_registers(coordinator):
         s.close()
     # still serving, nobody registered
     mesh = ElasticDeviceMesh(coordinator.address, token=TOKEN, wait=False)
-    assert _node_ids(coordinator) == [mesh.node_id]
+    assert node_ids(coordinator) == [mesh.node_id]
     mesh.close()
 
 
@@ -167,7 +163,7 @@ def test_mismatched_joiner_is_refused(coordinator):
                 wait=False,
                 metadata={"config_hash": "zzz", "settings": mine},
             )
-        assert _node_ids(coordinator) == [first.node_id]
+        assert node_ids(coordinator) == [first.node_id]
     finally:
         first.close()
 

@@ -1,17 +1,15 @@
 """Founder or joiner, decided by the coordinator at registration ("auto"); a completed run."""
 
+from functools import partial
+
 import pytest
 
 from prime_mesh.membership import Membership
 from prime_mesh.reform import Completed
-from prime_testkit import FakeConn
+from prime_testkit import FakeConn, register
 
-
-def _register(m: Membership, key: str, lr: int = 0, lws: int = 2, ready="auto", cfg="h1"):
-    msg = {"node_key": key, "local_rank": lr, "local_world_size": lws, "ready": ready,
-           "metadata": {"k": key, "config_hash": cfg}}  # fmt: skip
-    conn = FakeConn()
-    return m.register(conn, msg), conn
+# this file's nodes register with ready="auto" and config hash "h1", of two ranks by default
+_register = partial(register, lws=2, ready="auto", cfg="h1")
 
 
 def sync_all(m: Membership, nodes, conn) -> None:

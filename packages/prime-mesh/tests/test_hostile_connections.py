@@ -14,6 +14,7 @@ import pytest
 from mesh_node import BOUND, coordinator_process, mesh_nodes
 
 from prime_mesh.wire import HELLO_MAX, parse_address, read_frame, write_frame
+from prime_testkit import mesh_round
 
 TOKEN = "test-token-hostile"
 THREAD_BOUND = 16  # the loop, the main thread, the store's and torch's own: not per connection
@@ -34,19 +35,6 @@ def _closed_by_peer(sock: socket.socket, within: float) -> bool:
         return not isinstance(e, TimeoutError)
 
 
-def _round(cluster, value: dict) -> None:
-    names = list(value)
-    cluster.send(names, "reinit")
-    for n in names:
-        cluster.expect(n, "reinit", timeout=BOUND + 30)
-    for n in names:
-        cluster.send(n, "allreduce", value=value[n])
-    means = {cluster.expect(n, "ok", timeout=BOUND + 30)["mean"] for n in names}
-    assert means == {sum(value.values()) / len(value)}
-    cluster.send(names, "vote", ok=True)
-    assert {cluster.expect(n, "vote", timeout=BOUND + 30)["result"] for n in names} == {True}
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_idle_slow_drip_and_oversized_connections_never_stop_a_run(children):
@@ -57,7 +45,7 @@ def test_idle_slow_drip_and_oversized_connections_never_stop_a_run(children):
         cluster.start(n)
     for n in "ab":
         cluster.expect(n, "joined", timeout=120)
-    _round(cluster, {"a": 1.0, "b": 3.0})
+    mesh_round(cluster, {"a": 1.0, "b": 3.0}, timeout=BOUND + 30, check_mean=True)
 
     drip = socket.create_connection((host, port), timeout=10)
     read_frame(drip)  # the coordinator's hello
@@ -83,7 +71,7 @@ def test_idle_slow_drip_and_oversized_connections_never_stop_a_run(children):
             drip.send(hello[i : i + 1])
         except OSError:
             break  # closed by the coordinator: its handshake deadline passed
-        _round(cluster, {"a": float(i), "b": 1.0})
+        mesh_round(cluster, {"a": float(i), "b": 1.0}, timeout=BOUND + 30, check_mean=True)
         rounds += 1
         peak = max(peak, _threads(proc.pid))
         time.sleep(max(0.0, started + i + 1 - time.monotonic()))
@@ -95,7 +83,7 @@ def test_idle_slow_drip_and_oversized_connections_never_stop_a_run(children):
     assert all(_closed_by_peer(s, within=5) for s in idle)
     for s in (*idle, drip, big, huge):
         s.close()
-    _round(cluster, {"a": 2.0, "b": 4.0})
+    mesh_round(cluster, {"a": 2.0, "b": 4.0}, timeout=BOUND + 30, check_mean=True)
 
     cluster.send(["a", "b"], "exit")
     proc.terminate()

@@ -12,7 +12,7 @@ from mesh_node import BOUND, mesh_nodes
 
 from prime_mesh import Coordinator
 from prime_mesh.epoch import RetiredGroups
-from prime_testkit import wait_until
+from prime_testkit import node_ids, wait_until
 
 TOKEN = "test-token-leaks"
 CYCLES = 10
@@ -40,10 +40,6 @@ def _resources(cluster, name: str) -> tuple[int, int]:
     cluster.send(name, "resources")
     r = cluster.expect(name, "resources")
     return r["fds"], r["threads"]
-
-
-def _node_ids(coord) -> set[str]:
-    return {n["node_id"] for n in coord.status()["nodes"]}
 
 
 def _allreduce(cluster, names: list[str]) -> None:
@@ -81,7 +77,7 @@ def test_a_member_keeps_its_files_and_threads_while_a_node_joins_and_dies(childr
             _allreduce(cluster, [*members, c])  # the group's connections are made
             cluster.signal(c, signal.SIGKILL)
             cluster.procs[c].join(timeout=30)
-            wait_until(lambda i=node_id: i not in _node_ids(coord), 60, what=f"{c} evicted")
+            wait_until(lambda i=node_id: i not in node_ids(coord), 60, what=f"{c} evicted")
             cluster.send(members, "reinit")
             assert [cluster.expect(n, "reinit")["world"] for n in members] == [2, 2]
             _allreduce(cluster, members)

@@ -1,19 +1,11 @@
 """The coordinator's state machine alone (no sockets): registering, waiting, joining, member."""
 
 from prime_mesh.membership import Membership
-from prime_testkit import FakeClock, FakeConn
-
-
-def _register(m: Membership, key: str, lr: int = 0, lws: int = 1, ready: bool | None = None):
-    msg = {"node_key": key, "local_rank": lr, "local_world_size": lws, "metadata": {"k": key}}
-    if ready is not None:
-        msg["ready"] = ready
-    conn = FakeConn()
-    return m.register(conn, msg), conn
+from prime_testkit import FakeClock, register
 
 
 def states_by_key(m: Membership) -> dict[str, str]:
-    """Each node's state by the key it registered with (`_register`'s metadata)."""
+    """Each node's state by the key it registered with (`register`'s metadata)."""
     return {n["metadata"]["k"]: n["state"] for n in m.status()["nodes"]}
 
 
@@ -24,8 +16,8 @@ def _sync_all(m: Membership, nodes) -> None:
 
 def test_waiting_nodes_neither_form_nor_join_until_ready():
     m = Membership(min_nodes=2)
-    a, ca = _register(m, "a", ready=False)
-    b, cb = _register(m, "b")
+    a, ca = register(m, "a", ready=False)
+    b, cb = register(m, "b")
     # "b" is ready, "a" is not: min_nodes counts only ready nodes, so nothing forms
     assert m.epoch == 0 and states_by_key(m) == {"a": "waiting", "b": "joining"}
     m.ready(a, 0)
@@ -35,7 +27,7 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
     assert m.epoch_info()["joined"] == []
 
     # a waiting node is visible (with its metadata) but sync points do not admit it
-    c, cc = _register(m, "c", ready=False)
+    c, cc = register(m, "c", ready=False)
     _sync_all(m, [(a, ca), (b, cb)])
     assert m.epoch == 1 and states_by_key(m)["c"] == "waiting"
     assert next(n for n in m.status()["nodes"] if n["node_id"] == c.node_id)["metadata"] == {
@@ -52,9 +44,9 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
 
 def test_a_node_that_never_opts_in_is_admitted_as_before():
     m = Membership(min_nodes=1)
-    a, ca = _register(m, "a")  # no "ready" field: an older client
+    a, ca = register(m, "a")  # no "ready" field: an older client
     assert m.epoch == 1
-    _register(m, "b", ready=True)
+    register(m, "b", ready=True)
     assert states_by_key(m)["b"] == "joining"
     _sync_all(m, [(a, ca)])
     assert m.epoch == 2 and states_by_key(m) == {"a": "member", "b": "member"}
@@ -62,12 +54,12 @@ def test_a_node_that_never_opts_in_is_admitted_as_before():
 
 def test_every_local_rank_must_be_ready():
     m = Membership(min_nodes=1)
-    a0, ca0 = _register(m, "a", lr=0, lws=2)
-    a1, ca1 = _register(m, "a", lr=1, lws=2)
+    a0, ca0 = register(m, "a", lr=0, lws=2)
+    a1, ca1 = register(m, "a", lr=1, lws=2)
     assert m.epoch == 1
-    b0, _ = _register(m, "b", lr=0, lws=2, ready=False)
+    b0, _ = register(m, "b", lr=0, lws=2, ready=False)
     assert states_by_key(m)["b"] == "registering"
-    _register(m, "b", lr=1, lws=2, ready=True)
+    register(m, "b", lr=1, lws=2, ready=True)
     assert states_by_key(m)["b"] == "waiting"
     m.ready(b0, 1)  # rank 1 again: still waiting for rank 0
     assert states_by_key(m)["b"] == "waiting"
@@ -81,9 +73,9 @@ def test_every_local_rank_must_be_ready():
 def test_a_waiting_node_that_dies_changes_no_epoch():
     clock = FakeClock()
     m = Membership(min_nodes=1, clock=clock)
-    a, ca = _register(m, "a")
-    w, cw = _register(m, "w", ready=False)  # stalls: no heartbeat
-    k, ck = _register(m, "k", ready=False)  # killed: its connection closes
+    a, ca = register(m, "a")
+    w, cw = register(m, "w", ready=False)  # stalls: no heartbeat
+    k, ck = register(m, "k", ready=False)  # killed: its connection closes
     for _ in range(3):
         clock.now += 1.0
         m.heartbeat(a, 0)
@@ -105,9 +97,9 @@ def test_a_member_and_a_joiner_silent_in_the_same_tick_are_evicted_together():
     which ended the coordinator's loop. Both go, the member's departure makes one epoch."""
     clock = FakeClock()
     m = Membership(min_nodes=2, clock=clock)
-    a, ca = _register(m, "a")
-    b, cb = _register(m, "b")
-    c, cc = _register(m, "c")  # joins at the next sync point: a joiner until then
+    a, ca = register(m, "a")
+    b, cb = register(m, "b")
+    c, cc = register(m, "c")  # joins at the next sync point: a joiner until then
     assert m.epoch == 1 and states_by_key(m)["c"] == "joining"
     clock.now += 10.0
     m.heartbeat(a, 0)  # "b" (a member) and "c" (the joiner) went silent together
@@ -123,8 +115,8 @@ def test_a_listeners_ballot_is_not_waited_for():
     does not hold the others' vote: on a slow link its collective ends after theirs. Its
     ballot counts when it came in time; a late one gets the result decided without it."""
     m = Membership(min_nodes=2)
-    (a, ca), (b, cb) = _register(m, "a"), _register(m, "b")
-    c, cc = _register(m, "c")
+    (a, ca), (b, cb) = register(m, "a"), register(m, "b")
+    c, cc = register(m, "c")
     _sync_all(m, [(a, ca), (b, cb)])  # admits "c"
     assert m.epoch == 2
     for node, conn, listening in ((a, ca, False), (b, cb, False), (c, cc, True)):
@@ -164,7 +156,7 @@ def test_a_late_ballot_gets_the_decided_result_across_an_epoch_change():
     """The members decide a vote without the listener's ballot, then one of them leaves (a new
     epoch) before that ballot arrives: it is still told what they decided, not False."""
     m = Membership(min_nodes=3)
-    (a, ca), (b, cb), (c, cc) = _register(m, "a"), _register(m, "b"), _register(m, "c")
+    (a, ca), (b, cb), (c, cc) = register(m, "a"), register(m, "b"), register(m, "c")
     _listening_round(m, [(a, ca), (b, cb), (c, cc)], c)
     voted_in = m.epoch
     m.vote(a, 0, ca, 3, {"epoch": voted_in, "seq": 0, "ok": True, "outer": [7, "h7"]})
@@ -185,7 +177,7 @@ def test_a_late_ballot_gets_the_decided_result_across_an_epoch_change():
 def test_a_listener_stays_one_across_an_epoch_change():
     """A member leaving does not make the others wait for the listener's ballot again."""
     m = Membership(min_nodes=3)
-    (a, ca), (b, cb), (c, cc) = _register(m, "a"), _register(m, "b"), _register(m, "c")
+    (a, ca), (b, cb), (c, cc) = register(m, "a"), register(m, "b"), register(m, "c")
     _listening_round(m, [(a, ca), (b, cb), (c, cc)], c)
     m.leave(b, completed=False)
     for node, conn in ((a, ca), (c, cc)):  # "c" is fresh: its retry comes a round early
@@ -194,7 +186,7 @@ def test_a_listener_stays_one_across_an_epoch_change():
     assert not ca.replies(6), "c arrived contributing: its ballot is awaited"
 
     m2 = Membership(min_nodes=3)
-    (a, ca), (b, cb), (c, cc) = _register(m2, "a"), _register(m2, "b"), _register(m2, "c")
+    (a, ca), (b, cb), (c, cc) = register(m2, "a"), register(m2, "b"), register(m2, "c")
     _listening_round(m2, [(a, ca), (b, cb), (c, cc)], c)
     m2.leave(b, completed=False)
     m2.sync(a, 0, ca, 5, {"epoch": m2.epoch, "admit": True})  # the listener has not come yet
@@ -206,7 +198,7 @@ def test_a_member_with_other_outer_weights_is_told_and_evicted():
     """Each ballot carries the node's outer step and weight hash: the majority's wins, the
     vote is False so the others retry without the odd one, which is evicted, told why."""
     m = Membership(min_nodes=3)
-    nodes = [_register(m, k) for k in "abc"]
+    nodes = [register(m, k) for k in "abc"]
     _sync_all(m, nodes)
     epoch = m.epoch
     for (node, conn), digest in zip(nodes, ["h1", "h1", "h2"], strict=True):
@@ -242,7 +234,7 @@ def test_a_ballot_without_outer_state_is_not_compared():
     """A member that did not contribute (a joiner whose state may lag until it caught up)
     votes without its outer state: the others' agreement alone decides."""
     m = Membership(min_nodes=3)
-    nodes = [_register(m, k) for k in "abc"]
+    nodes = [register(m, k) for k in "abc"]
     _sync_all(m, nodes)
     for (node, conn), outer in zip(nodes, [[4, "h1"], [4, "h1"], None], strict=True):
         msg = {"epoch": m.epoch, "seq": 0, "ok": True, **({"outer": outer} if outer else {})}
@@ -256,7 +248,7 @@ def test_a_sync_point_tells_the_node_whose_norm_is_far_outside_the_others():
     tells only the node above `norm_bound` x the median of the others' (`prime_mesh.norms`),
     and a sync point without norms tells nobody."""
     m = Membership(min_nodes=3)
-    nodes = [_register(m, k) for k in "abc"]
+    nodes = [register(m, k) for k in "abc"]
     _sync_all(m, nodes)
     for (node, conn), n2 in zip(nodes, (1.0, 1.44, 900.0), strict=True):
         m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "norm2": n2,
@@ -275,12 +267,12 @@ def test_a_run_whose_members_all_listen_forms_anew():
     told to register again, and so is a node waiting to join: the run forms anew from the
     newest checkpoint any of them holds."""
     m = Membership(min_nodes=2)
-    (a, ca), (b, cb), (c, cc) = _register(m, "a"), _register(m, "b"), _register(m, "c")
+    (a, ca), (b, cb), (c, cc) = register(m, "a"), register(m, "b"), register(m, "c")
     _listening_round(m, [(a, ca), (b, cb), (c, cc)], c)  # "c" listens; "a" and "b" contribute
     assert len(m.members) == 3
     m.leave(a, completed=False)
     m.leave(b, completed=False)  # the contributors are gone: "c" is the only member
-    d, cd = _register(m, "d", ready="auto")  # a node joining meanwhile
+    d, cd = register(m, "d", ready="auto")  # a node joining meanwhile
     assert states_by_key(m) == {"c": "member", "d": "waiting"}  # (fetching state)
     m.sync(c, 0, cc, 7, {"epoch": m.epoch, "admit": True, "listening": True})
     assert not m.members and not m.nodes, m.status()
@@ -292,7 +284,7 @@ def test_a_run_whose_members_all_listen_forms_anew():
     # with a contributor among them the sync point passes as before; the status says who
     # listens (its checkpoints are no donor's: prime-train's `Membership.donors`)
     m2 = Membership(min_nodes=2)
-    (a, ca), (b, cb) = _register(m2, "a"), _register(m2, "b")
+    (a, ca), (b, cb) = register(m2, "a"), register(m2, "b")
     _listening_round(m2, [(a, ca), (b, cb)], b)
     assert len(m2.members) == 2 and ca.replies(2) and cb.replies(2)
     assert {n["metadata"]["k"]: n["listening"] for n in m2.status()["nodes"]} == {

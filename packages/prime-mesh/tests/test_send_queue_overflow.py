@@ -18,23 +18,11 @@ import pytest
 from mesh_node import BOUND, coordinator_process, mesh_nodes
 
 from prime_mesh.wire import client_handshake, parse_address
+from prime_testkit import mesh_round
 
 TOKEN = "test-token-overflow"
 PAD = 48_000  # metadata bytes: under the 64 KiB first-message cap, in every status answer
 FLOOD = 400  # status requests: about 20 MB of answers, far past 1 MiB plus kernel buffers
-
-
-def _round(cluster, value: dict) -> None:
-    names = list(value)
-    cluster.send(names, "reinit")
-    for n in names:
-        cluster.expect(n, "reinit", timeout=BOUND + 30)
-    for n in names:
-        cluster.send(n, "allreduce", value=value[n])
-    means = {cluster.expect(n, "ok", timeout=BOUND + 30)["mean"] for n in names}
-    assert means == {sum(value.values()) / len(value)}
-    cluster.send(names, "vote", ok=True)
-    assert {cluster.expect(n, "vote", timeout=BOUND + 30)["result"] for n in names} == {True}
 
 
 class DeafMember:
@@ -115,7 +103,7 @@ def test_a_member_that_stops_reading_is_evicted_for_its_full_send_queue(children
         cluster.start(n)
     for n in "ab":
         cluster.expect(n, "joined", timeout=120)
-    _round(cluster, {"a": 1.0, "b": 3.0})
+    mesh_round(cluster, {"a": 1.0, "b": 3.0}, timeout=BOUND + 30, check_mean=True)
 
     deaf = DeafMember(address)
     deaf.register()
@@ -131,7 +119,7 @@ def test_a_member_that_stops_reading_is_evicted_for_its_full_send_queue(children
         info = cluster.expect(n, "reinit", timeout=BOUND + 30)
         assert info["world"] == 2, info
     for i in range(3):  # and the run goes on without it
-        _round(cluster, {"a": float(i), "b": 1.0})
+        mesh_round(cluster, {"a": float(i), "b": 1.0}, timeout=BOUND + 30, check_mean=True)
     flood.join(BOUND + 35)
     assert deaf.cut.is_set(), "the deaf node's connection is still open"
     deaf.close()

@@ -9,22 +9,10 @@ import pytest
 from mesh_node import BOUND, mesh_nodes
 
 from prime_mesh import Coordinator
-from prime_testkit import node_states
+from prime_testkit import mesh_round, node_states
 
 TOKEN = "test-token-stuck-member"
 SYNC_TIMEOUT = 2.0
-
-
-def _round(cluster, names, value):
-    """Sync point, all-reduce, vote on every node of `names`; their reinit and ok reports."""
-    cluster.send(names, "reinit")
-    reinit = {n: cluster.expect(n, "reinit", timeout=BOUND + 30) for n in names}
-    for n in names:
-        cluster.send(n, "allreduce", value=value[n])
-    ok = {n: cluster.expect(n, "ok", timeout=BOUND + 30) for n in names}
-    cluster.send(names, "vote", ok=True)
-    assert {cluster.expect(n, "vote", timeout=BOUND + 30)["result"] for n in names} == {True}
-    return reinit, ok
 
 
 @pytest.mark.timeout(240)
@@ -37,7 +25,7 @@ def test_a_stuck_heartbeating_member_is_left_out_and_rejoins(children):
             cluster.start(n, sync_timeout=SYNC_TIMEOUT)
         joined = {n: cluster.expect(n, "joined", timeout=120) for n in names}
         value = {"a": 1.0, "b": 2.0, "c": 6.0}
-        reinit, ok = _round(cluster, names, value)
+        reinit, ok = mesh_round(cluster, value, timeout=BOUND + 30)
         assert {r["world"] for r in reinit.values()} == {3} and {
             o["mean"] for o in ok.values()
         } == {3.0}
@@ -64,7 +52,7 @@ def test_a_stuck_heartbeating_member_is_left_out_and_rejoins(children):
         assert sorted(node_states(coord).values()) == ["joining", "member", "member"]
         cluster.send(["a", "b"], "vote", ok=True)
         assert {cluster.expect(n, "vote", timeout=BOUND + 30)["result"] for n in "ab"} == {True}
-        reinit, ok = _round(cluster, names, value)
+        reinit, ok = mesh_round(cluster, value, timeout=BOUND + 30)
         assert {(r["world"], r["epoch"]) for r in reinit.values()} == {(3, left["a"]["epoch"] + 1)}
         assert {o["mean"] for o in ok.values()} == {3.0}
         cluster.send(names, "exit")

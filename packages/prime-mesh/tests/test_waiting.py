@@ -15,21 +15,15 @@ import pytest
 from mesh_node import BOUND, HB_TIMEOUT, mesh_nodes
 
 from prime_mesh import Coordinator
-from prime_testkit import node_states, wait_until
+from prime_testkit import mesh_round, node_states, wait_until
 
 TOKEN = "test-token-waiting"
 CLI = str(Path(sys.executable).parent / "prime-mesh")
 
 
-def _round(cluster, values: dict[str, float]) -> dict[str, dict]:
-    """One README-loop step on every node: sync point, all-reduce, vote."""
-    cluster.send(list(values), "reinit")
-    reinit = {n: cluster.expect(n, "reinit", timeout=BOUND + 30) for n in values}
-    for n, v in values.items():
-        cluster.send(n, "allreduce", value=v)
-    ok = {n: cluster.expect(n, "ok", timeout=BOUND + 30) for n in values}
-    cluster.send(list(values), "vote", ok=True)
-    assert {cluster.expect(n, "vote")["result"] for n in values} == {True}
+def _round_with_mean(cluster, values: dict[str, float]) -> dict[str, dict]:
+    """mesh_round's reinit report of each node, with its mean."""
+    reinit, ok = mesh_round(cluster, values, timeout=BOUND + 30)
     return {n: {**reinit[n], "mean": ok[n]["mean"]} for n in values}
 
 
@@ -43,7 +37,7 @@ def test_waiting_joiners_are_visible_never_waited_for_and_admitted_when_ready(ch
         joined = {n: cluster.expect(n, "joined", timeout=120) for n in "ab"}
         epoch = joined["a"]["epoch"]
         value = {"a": 1.0, "b": 3.0}
-        assert {r["mean"] for r in _round(cluster, value).values()} == {2.0}
+        assert {r["mean"] for r in _round_with_mean(cluster, value).values()} == {2.0}
 
         # Three joiners register and wait: the constructor returns at once for each.
         for n in ("k", "s", "w"):
@@ -76,7 +70,7 @@ def test_waiting_joiners_are_visible_never_waited_for_and_admitted_when_ready(ch
 
         # Sync points do not admit them and collectives go on over the two members.
         for _ in range(2):
-            r = _round(cluster, value)
+            r = _round_with_mean(cluster, value)
             assert all(
                 not x["changed"] and x["epoch"] == epoch and x["mean"] == 2.0 for x in r.values()
             )
@@ -88,7 +82,7 @@ def test_waiting_joiners_are_visible_never_waited_for_and_admitted_when_ready(ch
         stopped_at = time.monotonic()
         wait_until(lambda: len(node_states(coord)) == 4, BOUND, what="the killed joiner dropped")
         while time.monotonic() - stopped_at < HB_TIMEOUT + 1:
-            r = _round(cluster, value)
+            r = _round_with_mean(cluster, value)
             assert all(
                 not x["changed"] and x["epoch"] == epoch and x["mean"] == 2.0 for x in r.values()
             )
@@ -112,11 +106,11 @@ def test_waiting_joiners_are_visible_never_waited_for_and_admitted_when_ready(ch
         assert cluster.expect("w", "ready")["state"] == "joining"
         assert sorted(node_states(coord).values()) == ["joining", "member", "member"]
         value["w"] = 8.0
-        r = _round(cluster, value)
+        r = _round_with_mean(cluster, value)
         assert {(x["epoch"], x["world"], x["mean"]) for x in r.values()} == {(epoch + 1, 3, 4.0)}
         assert r["w"]["changed"] and r["w"]["rank"] == 2
         assert all(x["changed"] for x in r.values())
-        r = _round(cluster, value)  # and then it is a member like the others
+        r = _round_with_mean(cluster, value)  # and then it is a member like the others
         assert {(x["changed"], x["epoch"], x["mean"]) for x in r.values()} == {
             (False, epoch + 1, 4.0)
         }

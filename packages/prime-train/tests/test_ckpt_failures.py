@@ -3,14 +3,12 @@ fills up and a remote that cannot be written to. The run finishes, says each fai
 line of its log, and counts them in its metrics rows (`ckpt_errors`)."""
 
 import json
-import os
-import subprocess
-import uuid
+from contextlib import ExitStack
 
 import pytest
 import torch
 
-from prime_ckpt.faults import ENV
+from prime_testkit import small_disk_at
 from prime_train.config_load import load_config
 from prime_train.hf_import import run_model_args
 from prime_train.model import Transformer, num_params
@@ -32,22 +30,8 @@ def checkpoint_bytes(args: list[str]) -> int:
 def small_disk(tmp_path):
     """`small_disk(size)`: a tmpfs of `size` bytes when we may mount one (root), else a
     folder and the environment that injects ENOSPC at the steps that would not fit."""
-    mounted = []
-
-    def make(size: int) -> tuple:
-        d = tmp_path / f"small-{uuid.uuid4().hex[:6]}"
-        d.mkdir()
-        mount = ["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(d)]
-        if os.geteuid() == 0 and subprocess.run(mount).returncode == 0:
-            mounted.append(d)
-            return d, {}
-        return d, {ENV: "enospc@" + ",".join(map(str, DISK_FAILS))}
-
-    try:
-        yield make
-    finally:
-        for d in mounted:
-            subprocess.run(["umount", "-l", str(d)], check=False)
+    with ExitStack() as disks:
+        yield lambda size: disks.enter_context(small_disk_at(tmp_path, size, DISK_FAILS))
 
 
 @pytest.mark.slow

@@ -4,17 +4,10 @@ config hash, so a run may resume with another), and bad values are refused at st
 
 import pytest
 
+from prime_testkit import losses
 from prime_train.config_load import load_config
-from prime_train.metrics import read_metrics
 from prime_train.rundir import claim_run_dir
 from prime_train.trainer import train
-
-
-def losses(cfg) -> tuple[list[float], list[float]]:
-    rows = read_metrics(cfg.run_dir / "metrics.jsonl")
-    return [r["loss"] for r in rows if "loss" in r], [
-        r["eval_loss"] for r in rows if "eval_loss" in r
-    ]
 
 
 def test_micro_batches_train_the_same_run_as_the_whole_batch(tiny):
@@ -23,7 +16,7 @@ def test_micro_batches_train_the_same_run_as_the_whole_batch(tiny):
     split = tiny(*common, "--run.name", "split", "--train.micro_batch_size", "2")
     train(whole)
     train(split)
-    (a, ea), (b, eb) = losses(whole), losses(split)
+    (a, ea), (b, eb) = losses(whole.run_dir), losses(split.run_dir)
     assert len(a) == len(b) == 12 and len(ea) == len(eb) == 3
     assert max(abs(x - y) for x, y in zip(a + ea, b + eb, strict=True)) < 1e-4, (a, b)
     assert a[-1] < a[0]  # it trained

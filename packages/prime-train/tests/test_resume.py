@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prime_testkit import wait_until
+from prime_testkit import losses, wait_until
 from prime_train.metrics import read_metrics
 
 STEPS = 30
@@ -27,21 +27,13 @@ def args(tiny_cli_args):
     return run_args
 
 
-def losses(run_dir):
-    recs = read_metrics(run_dir / "metrics.jsonl")
-    return (
-        {r["step"]: r["loss"] for r in recs if "loss" in r},
-        {r["step"]: r["eval_loss"] for r in recs if "eval_loss" in r},
-    )
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, run_cli, args):
     """The uninterrupted run every resumed run must reproduce exactly."""
     runs = tmp_path_factory.mktemp("ref")
     r = run_cli(*args(runs))
     assert r.returncode == 0, r.stderr[-2000:]
-    train, held = losses(runs / "debug")
+    train, held = losses(runs / "debug", by_step=True)
     assert sorted(train) == list(range(1, STEPS + 1))
     return train, held
 
@@ -81,7 +73,8 @@ def test_sigterm_then_rerun_resumes_exactly(children, tmp_path, reference, run_c
     r = run_cli(*args(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resumed from the step-{stopped} checkpoint" in r.stdout
-    assert losses(tmp_path / "debug") == reference  # bit-identical train and held-out losses
+    # bit-identical train and held-out losses
+    assert losses(tmp_path / "debug", by_step=True) == reference
 
 
 def test_sigkill_then_rerun_resumes_exactly_from_last_checkpoint(
@@ -93,7 +86,7 @@ def test_sigkill_then_rerun_resumes_exactly_from_last_checkpoint(
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from the step-" in r.stdout
     # metrics past the checkpoint were dropped and re-recorded: exactly the reference again
-    assert losses(tmp_path / "debug") == reference
+    assert losses(tmp_path / "debug", by_step=True) == reference
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 
+from prime_testkit.fixed_data import IndexDataset
 from prime_train.slot_loader import SlotLoader
 from prime_train.slots import TooManyReaders, assign_slots, slots_of
 from prime_train.tokens import DataError
@@ -69,25 +69,10 @@ def test_more_nodes_than_slots_is_refused():
         assign_slots([None, None], ["a", "b", "c"])
 
 
-class Indices:
-    """Sequence i holds token i (and i again as its target)."""
-
-    seq_len = 1
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i, i])
-
-
 def loader(
     name: str, slots: int, n: int = 10_000, batch: int = 3, lag: int = 0, **kw
 ) -> SlotLoader:
-    return SlotLoader(Indices(n), batch, slots, name, seed=7, lag=lag, **kw)
+    return SlotLoader(IndexDataset(n), batch, slots, name, seed=7, lag=lag, **kw)
 
 
 def test_slots_cut_the_sequences_and_a_new_pass_reshuffles_without_restarting_positions():

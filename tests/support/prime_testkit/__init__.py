@@ -17,15 +17,19 @@ than one test file uses lives here, once, one module per concern.
   `token_cache` fixture is the token cache of a module's runs.
 - runs: what a run leaves behind. `node_metrics` (node k's rows in a shared runs folder),
   `folder_metrics` (a node in its own folder), `outer_rows` / `outer_by_step` /
-  `outer_hashes` (its outer steps), `trace` (what a resumed run must reproduce: by
-  default the `TRACED` values),
+  `outer_hashes` (its outer steps), `losses` (node 0's train and held-out losses),
+  `trace` (what a resumed run must reproduce: by default the `TRACED` values),
   `log_tails` (every log of a test's folder, for a failing assertion).
-- fixed_data: `pseudo_random`, floats that are the same on every machine (pinned digests).
-- mesh: prime-mesh's coordinator from a test: `node_states`, `form`, and `FakeConn` (with `replies`) / `FakeClock`
-  that drive its Membership state machine without sockets. The prime-mesh tests' conftest.py
-  has the `coordinator` fixture (the module's TOKEN and MIN_NODES).
+- fixed_data: `pseudo_random`, floats that are the same on every machine (pinned digests);
+  `IndexDataset`, sequences that are their own index.
+- mesh: prime-mesh's coordinator from a test: `node_states`, `node_ids`, `mesh_round` (one
+  step of its mesh node processes), `form` / `register` and `FakeConn` (with `replies`) /
+  `FakeClock` that drive its Membership state machine without sockets. The prime-mesh tests'
+  conftest.py has the `coordinator` fixture (the module's TOKEN and MIN_NODES).
 - ckpt: `make_checkpoint`, a committed prime-ckpt step folder written by hand;
-  `donor_processes`: rate-limited `prime_ckpt.peer serve` donors, each with its URL.
+  `donor_processes`: rate-limited `prime_ckpt.peer serve` donors, each with its URL;
+  `small_state`, a state to save; `small_disk_at`, a disk too small for what a test saves.
+- comm: `available_simd_levels`, the prime-comm kernels' SIMD levels this CPU runs.
 - gloo: `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
 - s3: `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`);
   `DeadS3`: an endpoint that hangs or refuses.
@@ -46,7 +50,7 @@ from prime_testkit.children import (
     wait_exit,
     wait_until,
 )
-from prime_testkit.ckpt import donor_processes, make_checkpoint
+from prime_testkit.ckpt import donor_processes, make_checkpoint, small_disk_at, small_state
 from prime_testkit.cli_node import (
     clean_env,
     cli_node,
@@ -60,12 +64,22 @@ from prime_testkit.cli_node import (
     start_ranked_node,
     stop_once_contributing,
 )
-from prime_testkit.mesh import FakeClock, FakeConn, form, node_states
+from prime_testkit.comm import available_simd_levels
+from prime_testkit.mesh import (
+    FakeClock,
+    FakeConn,
+    form,
+    mesh_round,
+    node_ids,
+    node_states,
+    register,
+)
 from prime_testkit.nodes import Nodes
 from prime_testkit.runs import (
     TRACED,
     folder_metrics,
     log_tails,
+    losses,
     node_metrics,
     outer_by_step,
     outer_hashes,
@@ -118,11 +132,18 @@ __all__ = [
     "die_with_parent",
     "folder_metrics",
     "free_port",
+    "available_simd_levels",
     "gloo_group",
     "gloo_world",
     "load_target",
     "log_tails",
+    "losses",
     "make_checkpoint",
+    "mesh_round",
+    "node_ids",
+    "register",
+    "small_disk_at",
+    "small_state",
     "node_metrics",
     "node_states",
     "outer_by_step",

@@ -1,13 +1,43 @@
 """prime-ckpt checkpoints made by hand, and donors serving them, for tests of what reads or
-serves them."""
+serves them; a small state to save, and a small disk for tests of saves that do not fit."""
 
 from __future__ import annotations
 
 import os
 import select
 import subprocess
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+def small_state(value: float) -> dict:
+    """A small checkpoint state: 64 Ki floats, a nested optimizer tensor and a plain int."""
+    import torch
+
+    return {"w": torch.full((1 << 16,), value), "opt": {"m": torch.full((7,), value)}, "n": 3}
+
+
+@contextmanager
+def small_disk_at(
+    parent: Path, size: int, enospc_at: Iterable[int]
+) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A new folder in `parent` and the environment its writers need: a tmpfs of `size` bytes
+    (no environment) when we may mount one (root), else a plain folder and the prime-ckpt
+    fault that injects ENOSPC at the saves `enospc_at`; unmounted on exit."""
+    from prime_ckpt.faults import ENV
+
+    d = parent / f"small-{uuid.uuid4().hex[:6]}"
+    d.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size // 1024}k", "tmpfs", str(d)]
+    mounted = os.geteuid() == 0 and subprocess.run(mount).returncode == 0
+    try:
+        yield d, ({} if mounted else {ENV: "enospc@" + ",".join(map(str, enospc_at))})
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def make_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> str:

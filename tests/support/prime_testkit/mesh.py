@@ -1,5 +1,6 @@
-"""prime-mesh's coordinator seen from a test: its nodes' states, and the fake connection and
-clock that drive its state machine (`prime_mesh.membership.Membership`) without sockets."""
+"""prime-mesh's coordinator seen from a test: its nodes' states and ids, one round of mesh node
+processes (`mesh_round`), and the fake connection and clock that drive its state machine
+(`prime_mesh.membership.Membership`) without sockets (`form`, `register`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,31 @@ from typing import Any
 def node_states(coordinator: Any) -> dict[str, str]:
     """Each registered node's state (registering, waiting, joining, member) by node id."""
     return {n["node_id"]: n["state"] for n in coordinator.status()["nodes"]}
+
+
+def node_ids(coordinator: Any) -> list[str]:
+    """The registered nodes' ids, in the order the coordinator's status lists them."""
+    return [n["node_id"] for n in coordinator.status()["nodes"]]
+
+
+def mesh_round(
+    cluster: Any, values: dict[str, float], timeout: float, check_mean: bool = False
+) -> tuple[dict[str, dict], dict[str, dict]]:
+    """One README-loop step on the mesh nodes named in `values` (a `Nodes` of prime-mesh's
+    tests/mesh_node.py): sync point, all-reduce of each one's value, vote (which must pass);
+    with `check_mean`, every node's mean must be the values' mean before the vote. Each node's
+    reinit and ok reports; every report is waited for at most `timeout` seconds."""
+    names = list(values)
+    cluster.send(names, "reinit")
+    reinit = {n: cluster.expect(n, "reinit", timeout=timeout) for n in names}
+    for n in names:
+        cluster.send(n, "allreduce", value=values[n])
+    ok = {n: cluster.expect(n, "ok", timeout=timeout) for n in names}
+    if check_mean:
+        assert {o["mean"] for o in ok.values()} == {sum(values.values()) / len(values)}
+    cluster.send(names, "vote", ok=True)
+    assert {cluster.expect(n, "vote", timeout=timeout)["result"] for n in names} == {True}
+    return reinit, ok
 
 
 class FakeConn:
@@ -45,6 +71,26 @@ def form(membership: Any, keys: list[str], sync_timeout: float | None = None) ->
         nodes[k] = (membership.register(conn, msg), conn)
     assert membership.epoch == 1 and len(membership.members) == len(keys)
     return nodes
+
+
+def register(
+    membership: Any,
+    key: str,
+    lr: int = 0,
+    lws: int = 1,
+    ready: bool | str | None = None,
+    cfg: str | None = None,
+) -> tuple[Any, FakeConn]:
+    """Register rank `lr` of `lws` of node `key` in `membership` over a new FakeConn, with
+    metadata {"k": key} (and "config_hash": `cfg` when given), and "ready" when given: (the
+    node, its FakeConn)."""
+    metadata = {"k": key} if cfg is None else {"k": key, "config_hash": cfg}
+    msg: dict[str, Any] = {"node_key": key, "local_rank": lr, "local_world_size": lws,
+                           "metadata": metadata}  # fmt: skip
+    if ready is not None:
+        msg["ready"] = ready
+    conn = FakeConn()
+    return membership.register(conn, msg), conn
 
 
 class FakeClock:

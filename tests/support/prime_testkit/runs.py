@@ -28,6 +28,20 @@ def folder_metrics(folder: Path) -> list[dict[str, Any]]:
     return node_metrics(folder / "runs" / "debug")
 
 
+def losses(run_dir: Path, by_step: bool = False) -> tuple[Any, Any]:
+    """Node 0's train and held-out losses in `run_dir`: two lists in the order written, or
+    with `by_step` two {step: loss} dicts."""
+    rows = node_metrics(run_dir)
+    if by_step:
+        return (
+            {r["step"]: r["loss"] for r in rows if "loss" in r},
+            {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r},
+        )
+    return [r["loss"] for r in rows if "loss" in r], [
+        r["eval_loss"] for r in rows if "eval_loss" in r
+    ]
+
+
 def outer_rows(rows: Iterable[dict]) -> list[dict]:
     """The rows of outer steps, in the order written."""
     return [r for r in rows if "outer_step" in r]
