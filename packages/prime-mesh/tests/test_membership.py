@@ -219,7 +219,7 @@ def test_a_contributor_with_another_outer_step_count_is_evicted_as_one_with_othe
     """The same weights at another outer step count (a round applied twice or missed, its
     weights equal by chance or not yet changed): the count is part of the state compared."""
     m = Membership(min_nodes=3)
-    nodes = [_register(m, k) for k in "abc"]
+    nodes = [register(m, k) for k in "abc"]
     _sync_all(m, nodes)
     epoch = m.epoch
     for (node, conn), count in zip(nodes, [4, 4, 5], strict=True):
