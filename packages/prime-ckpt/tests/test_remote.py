@@ -241,7 +241,7 @@ def test_discard_after_removes_newer_steps_from_every_tier(tmp_path):
 
 
 def test_a_failing_remote_is_counted_at_once_close_is_bounded_and_the_next_start_uploads(
-    tmp_path, children
+    tmp_path, children, caplog
 ):
     """Moto's S3 on loopback, the run's bucket not there yet (an unwritable remote): the
     failure is counted at the first try, while the retries go on (a short run used to end with
@@ -261,6 +261,8 @@ def test_a_failing_remote_is_counted_at_once_close_is_bounded_and_the_next_start
     closer.join(30)
     assert not closer.is_alive(), "close() waited for the retries"
     assert committed_steps(tmp_path / "disk") == [1]
+    said = [r.getMessage() for r in caplog.records if "on the way out" in r.getMessage()]
+    assert len(said) == 1 and "upload of step 1" in said[0] and "within 1 s" in said[0], said
     server._client().create_bucket(Bucket=bucket)
     with CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm2", **kw) as again:
         assert again.wait_remote(120)

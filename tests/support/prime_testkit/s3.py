@@ -69,8 +69,9 @@ class MotoS3:
 
 class DeadS3:
     """An S3 endpoint that fails a node's uploads: `"hung"` accepts connections and never
-    answers (a remote that stalls), `"refused"` is a free port nobody listens on. `.endpoint`
-    is its URL; `close()` (or the `with` block's end) drops what it holds."""
+    answers (a remote that stalls), `"refused"` is a free port nobody listens on (`hang()`
+    makes it the first from then on). `.endpoint` is its URL; `close()` (or the `with`
+    block's end) drops what it holds: refused again."""
 
     KINDS = ("hung", "refused")
 
@@ -79,15 +80,19 @@ class DeadS3:
             raise ValueError(f"DeadS3 kind {kind!r}: one of {', '.join(self.KINDS)}")
         self._held: list[socket.socket] = []
         self._server: socket.socket | None = None
-        if kind == "refused":
-            port = free_port()
-        else:
-            self._server = socket.create_server(("127.0.0.1", 0))
-            self._server.settimeout(0.5)
-            port = self._server.getsockname()[1]
-            threading.Thread(target=self._hold, args=(self._server,), daemon=True,
-                             name="dead-s3").start()  # fmt: skip
-        self.endpoint = f"http://127.0.0.1:{port}"
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        if kind == "hung":
+            self.hang()
+
+    def hang(self) -> None:
+        """Accept connections on its port from now on, and never answer them."""
+        if self._server is not None:
+            return
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server.settimeout(0.5)
+        threading.Thread(target=self._hold, args=(self._server,), daemon=True,
+                         name="dead-s3").start()  # fmt: skip
 
     def _hold(self, server: socket.socket) -> None:
         while self._server is not None:

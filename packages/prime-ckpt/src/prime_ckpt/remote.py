@@ -34,8 +34,9 @@ log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
 # the longest a listing, a manifest read or a delete of the remote is waited for where a start
 # or a stop waits on it (load_latest, list, discard_after): a remote that hangs counts as
-# unreachable
-REMOTE_LIST_TIMEOUT_S = 60.0
+# unreachable (an object store lists a prefix in well under a second; 60 s, botocore's own
+# read timeout, held every start against a hung endpoint a minute)
+REMOTE_LIST_TIMEOUT_S = 20.0
 
 
 class RemoteStore:
@@ -240,11 +241,24 @@ class Uploader:
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        self.wait(timeout)
+        """Wait for the upload in flight (at most `timeout` s in all, None: until done) and
+        stop; an upload still hung past it is left to its daemon thread (the next start
+        uploads that step again)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.wait(timeout):
+            with self._cond:
+                step = self._busy if self._busy is not None else self._pending
+            log.warning(
+                "prime-ckpt: the upload of step %s to %s did not finish within %.0f s on the "
+                "way out; the step is on disk and the next start uploads it",
+                step,
+                self.store.url,
+                timeout,
+            )
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=10 if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def discard_after(self, step: int, timeout: float = REMOTE_LIST_TIMEOUT_S) -> list[int]:
         """Once idle (at most `timeout` s), delete the committed remote steps newer than

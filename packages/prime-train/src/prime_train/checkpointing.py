@@ -28,6 +28,7 @@ def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, d
 
 
 STEPPED = ("model", "optim")  # the keys of `train_state` whose tensors an optimizer step changes
+EXIT_S = 3.0  # after the final upload's wait: the mesh's leave, the processes' teardown
 
 
 def train_state(
@@ -98,6 +99,7 @@ class Checkpointer:
         )
         self.last_saved: int | None = None
         self._last: SaveHandle | None = None
+        self._leave_by: float | None = None  # a stop's deadline for the way out (`leave_by`)
         # the loop's time in save() and waiting for its copies, and the saves (metrics rows)
         self.blocked_s, self.saves = 0.0, 0
 
@@ -187,10 +189,20 @@ class Checkpointer:
         on disk only (no listing of the remote, which may hang for its whole bound)."""
         return self.manager.committed_steps(("ram", "disk") if local else TIERS)
 
+    def leave_by(self, deadline: float) -> None:
+        """A stop signal came: `close()` waits for the final upload only until `deadline`
+        (time.monotonic(); less `EXIT_S` for what follows it), within `upload_timeout_s`, so a
+        slow or unreachable remote cannot hold the node past its stop bound."""
+        self._leave_by = deadline
+
     def close(self) -> None:
         """The final checkpoint reaches disk; its upload is waited for `upload_timeout_s` at
-        most (the next start finishes it)."""
-        self.manager.close(remote_timeout=self.upload_timeout_s)
+        most, and only until `leave_by`'s deadline after a stop (the next start finishes it)."""
+        wait = self.upload_timeout_s
+        if self._leave_by is not None:
+            left = max(0.0, self._leave_by - EXIT_S - time.monotonic())
+            wait = left if wait is None else min(wait, left)
+        self.manager.close(remote_timeout=wait)
 
 
 def checkpoint_dir(cfg, launcher_index: int | None) -> Path:

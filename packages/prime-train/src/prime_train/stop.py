@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,12 +31,14 @@ class StopSignal:
 
     def __init__(self, at_once: bool = False) -> None:
         self.signal: str | None = None
+        self.received_at: float | None = None  # time.monotonic() of the first signal
         self.at_once = at_once
         self._during = "before training began"  # what StoppedEarly says the node was doing
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal = signal.Signals(signum).name
+        self.received_at = time.monotonic()
         for sig in self._old:  # a second signal gets the default behaviour
             signal.signal(
                 sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL

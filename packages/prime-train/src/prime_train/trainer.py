@@ -264,6 +264,8 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
                 )
                 break
     run.ckpt.wait()
+    if stop.received_at is not None:  # the way out keeps to train.stop_within_s + 10 s
+        run.ckpt.leave_by(stop.received_at + cfg.train.stop_within_s + 10.0)
     if step >= total and run.placement.membership is not None:
         run.placement.membership.completed = True  # said when it leaves: later nodes are told
     end = LoopEnd(
