@@ -28,7 +28,7 @@ def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, d
 
 
 STEPPED = ("model", "optim")  # the keys of `train_state` whose tensors an optimizer step changes
-EXIT_S = 3.0  # after the final upload's wait: the mesh's leave, the processes' teardown
+EXIT_S = 6.0  # after the final upload's wait: the mesh's leave, the process's teardown (4 s seen)
 
 
 def train_state(
