@@ -8,6 +8,7 @@ with zstd (recorded in the remote manifest); checksums are always of the uncompr
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import threading
@@ -32,6 +33,7 @@ from prime_ckpt.records import CheckpointInfo
 
 log = logging.getLogger("prime_ckpt")
 _CHUNK = 8 << 20
+_PART = 8 << 20  # what a remote file buffers before it sends a part (s3fs: 50 MiB; S3's least: 5)
 # the longest a listing, a manifest read or a delete of the remote is waited for where a start
 # or a stop waits on it (load_latest, list, discard_after): a remote that hangs counts as
 # unreachable (an object store lists a prefix in well under a second; 60 s, botocore's own
@@ -114,7 +116,8 @@ class RemoteStore:
     def _put(self, src: Path, dst: str) -> None:
         if self._local:
             self.fs.makedirs(dst.rsplit("/", 1)[0], exist_ok=True)
-        with open(src, "rb") as f, self.fs.open(dst, "wb") as out:
+        part = max(_PART, -(-src.stat().st_size // 9_000))  # (S3 takes at most 10,000 parts)
+        with open(src, "rb") as f, self.fs.open(dst, "wb", block_size=part) as out:
             if self.compression == "zstd":
                 w = zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False)
                 while chunk := f.read(_CHUNK):
@@ -311,7 +314,10 @@ class Uploader:
                     )
                 else:
                     log.info("prime-ckpt: upload of %s failed (%s); %s", what, e, retrying)
-                time.sleep(delay)
+            # the failed attempt's frames (its file object's part buffer) are freed now, not
+            # whenever the cyclic collector runs: a remote that keeps failing held ~5 B/param
+            gc.collect()
+            time.sleep(delay)
 
     def _upload(self, step: int) -> None:
         if step in self._if_missing:
