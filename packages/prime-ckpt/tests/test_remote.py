@@ -275,24 +275,21 @@ FAILING_UPLOADS = """
 import ctypes, os, sys, time
 import torch
 from prime_ckpt import CheckpointManager
-from prime_testkit import CREDENTIALS, DeadS3
+from prime_testkit import CREDENTIALS, DeadS3, rss_anon_kib, wait_until
 
 ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # freed blocks go back (as prime-train sets it)
 os.environ.update(CREDENTIALS)
-anon = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1])
 state = {"w": torch.randn(16 << 20)}  # 64 MiB
 with DeadS3("refused") as dead:
     mgr = CheckpointManager(sys.argv[1], shm_dir=sys.argv[2], remote="s3://b/run",
                             remote_options={"endpoint_url": dead.endpoint}, remote_backoff=0.1)
     mgr.save(1, state).wait(60)
-    t = time.monotonic()
-    while mgr.errors < 1 and time.monotonic() - t < 60:  # its uploads fail from here on
-        time.sleep(0.2)
-    base = anon()
+    wait_until(lambda: mgr.errors >= 1, 60, what="its first failed upload")  # failing from here on
+    base = rss_anon_kib()
     for step in range(2, 6):
         mgr.save(step, state).wait(60)
         time.sleep(1.5)  # a few failed tries each
-    grown = anon() - base
+    grown = rss_anon_kib() - base
     mgr.close(remote_timeout=1)
 print("errors", mgr.errors, "grown_kib", grown)
 """

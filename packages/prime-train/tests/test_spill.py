@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from prime_testkit import rss_anon_kib
 from prime_train.spill import CHUNK, SpillError, TensorSpill
-
-
-def _rss_anon_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    raise AssertionError("no RssAnon in /proc/self/status")
 
 
 def test_tensors_come_back_bit_for_bit_after_they_changed(tmp_path):
@@ -59,10 +51,10 @@ def test_the_values_leave_anonymous_memory(tmp_path):
     at most a few chunks (the file's pages are the page cache's)."""
     t = torch.randn(16 << 20)
     spill = TensorSpill(tmp_path / "s")
-    before = _rss_anon_kb()
+    before = rss_anon_kib()
     spill.write([t])
     spill.wait()
-    grown_mib = (_rss_anon_kb() - before) / 1024
+    grown_mib = (rss_anon_kib() - before) / 1024
     assert grown_mib < 16, f"RssAnon grew by {grown_mib:.1f} MiB for a 64 MiB spill"
     spill.close()
 

@@ -30,6 +30,7 @@ than one test file uses lives here, once, one module per concern.
   `donor_processes`: rate-limited `prime_ckpt.peer serve` donors, each with its URL;
   `small_state`, a state to save; `small_disk_at`, a disk too small for what a test saves.
 - comm: `available_simd_levels`, the prime-comm kernels' SIMD levels this CPU runs.
+- memory: `rss_anon_kib`, this process's anonymous resident memory (what a test asserts).
 - gloo: `gloo_world` / `gloo_group`: the one TCPStore + init_process_group for a test rank.
 - s3: `MotoS3`: moto's S3 server on a free loopback port, with fresh buckets (`CREDENTIALS`);
   `DeadS3`: an endpoint that hangs or refuses.
@@ -65,6 +66,7 @@ from prime_testkit.cli_node import (
     stop_once_contributing,
 )
 from prime_testkit.comm import available_simd_levels
+from prime_testkit.memory import rss_anon_kib
 from prime_testkit.mesh import (
     FakeClock,
     FakeConn,
@@ -143,6 +145,7 @@ __all__ = [
     "node_ids",
     "register",
     "small_disk_at",
+    "rss_anon_kib",
     "small_state",
     "node_metrics",
     "node_states",
