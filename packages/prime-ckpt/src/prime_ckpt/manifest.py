@@ -122,8 +122,8 @@ class Manifest:
         entry = self.files[name]
         if not path.is_file():
             return f"{path}: missing"
-        if path.stat().st_size != entry.size:
-            return f"{path}: size {path.stat().st_size}, manifest says {entry.size}"
+        if (size := path.stat().st_size) != entry.size:
+            return f"{path}: size {size}, manifest says {entry.size}"
         if file_digest(path, self.format) != entry.digest:
             return f"{path}: checksum mismatch (corrupted)"
         return None
