@@ -117,11 +117,13 @@ def node_main(name: str, coordinator: str, token: str, cmds, out, kwargs: dict) 
                 pg, world = mesh.global_pg, mesh.global_world_size
                 held.update(pg=pg, world=world)
                 start = time.monotonic()
+                if arg.get("then") == "kill":
+                    # Killed as it enters, so it never sends: killed just after, gloo's own
+                    # thread may already have sent its share and the others' reduce completes.
+                    os.kill(os.getpid(), signal.SIGKILL)
                 work = dist.all_reduce(t, group=pg, async_op=True)
                 if arg.get("then") == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)  # stalls mid-collective
-                elif arg.get("then") == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
                 deadline = start + arg.get("timeout", mesh.collective_timeout())
                 outcome, detail = None, ""
                 while outcome is None:

@@ -50,7 +50,7 @@ def test_sigkill_vote_join_and_leave(children, coordinator):
         cluster.send(n, "vote", ok=True)
     assert {cluster.expect(n, "vote")["result"] for n in names} == {True}
 
-    # SIGKILL "d" in the middle of an all-reduce the others are already inside.
+    # SIGKILL "d" as it enters an all-reduce the others are already inside.
     survivors = ["a", "b", "c"]
     for n in survivors:
         cluster.send(n, "allreduce", value=value[n])
