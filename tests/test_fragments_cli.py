@@ -6,7 +6,7 @@ fragments included), and the resumed run reproduces the uninterrupted one exactl
 `--diloco.overlap delayed` each fragment's sync is applied at the next sync point (its row one
 sync later, the last two at the last step); told to stop mid-round, the nodes stop at the
 round's end with that fragment's sync in flight, checkpoint it, and resume exactly too. (A node
-joining a running job of two fragments: tests/test_join_replay.py, "fragments".)"""
+joining a running job of two fragments: tests/test_join_replay.py's WAN-bed join.)"""
 
 import pytest
 

@@ -95,23 +95,22 @@ def check_the_join(tmp_path: Path) -> dict:
 @pytest.mark.timeout(500)
 # (the synchronous listening join on a slow link: every seed of tests/test_churn.py's, whose
 # nodes run again and join on 8 Mbit/s links)
-@pytest.mark.parametrize("mode", ["fragments", "delayed"])
 def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
-    tmp_path, token_cache, children, mode
+    tmp_path, token_cache, children
 ):
     """On the WAN bed: every node's link at BED_MBIT, the donors serving at half of it (the
     setting's advice); the joiner's ~8.7 MB snapshot takes several short rounds to cross its
     link, beside the rounds' all-reduce on the same link. It is admitted before its snapshot
     arrives, listens, replays the kept rounds and enters with the members' hash. With 2
-    streaming fragments (a sync every H / 2 steps, each one fragment's, delayed: its snapshot
-    may hold a fragment's sync in flight) it listens to the fragment the members sync and
-    enters at the fragment of the committed count; with `overlap = "delayed"` the members'
-    all-reduce runs behind their inner steps meanwhile. (The synchronous join with fragments:
-    test_cut_link's rejoin.)"""
+    streaming fragments (a sync every H / 2 steps, each one fragment's) and `overlap =
+    "delayed"` (the members' all-reduce runs behind their inner steps, so its snapshot may hold
+    a fragment's sync in flight), it listens to the fragment the members sync and enters at
+    the fragment of the committed count. (One fragment, delayed, walks the same path with
+    fewer cases; the synchronous join with fragments: test_cut_link's rejoin.)"""
     n0, n1, n2 = (tmp_path / f"node{k}" for k in range(3))
     coord_log = tmp_path / "coordinator.log"
     node = {k: v for k, v in NODE.items() if k != "host"}
-    fragments = 2 if mode == "fragments" else 1
+    fragments = 2
     node = {**node, "args": ["--mesh.serve_mbit", str(BED_MBIT / 2),
                              "--diloco.fragments", str(fragments),
                              "--diloco.overlap", "delayed"],
@@ -146,13 +145,12 @@ def test_a_joiner_on_a_slow_link_listens_through_its_fetch_and_enters(
     assert row["listened"] >= 3, row  # (the members never waited: check_the_join's rounds)
     log = (tmp_path / "node2.log").read_text()
     assert "round(s) late: replayed outer steps" not in log, log[-3000:]  # not in place
-    if fragments > 1:  # every sync one fragment's, by the committed count, on every node
-        for folder in (n0, n1, n2):
-            rows = outer_by_step(folder_metrics(folder))
-            assert all(r["fragment"] == (k - 1) % fragments for k, r in rows.items()), rows
-            # (delayed: the sync of its round applied, and its row written, a sync later)
-            assert all(r.get("round_step", r["step"]) % (H // fragments) == 0
-                       for r in rows.values()), rows  # fmt: skip
+    for folder in (n0, n1, n2):  # every sync one fragment's, by the committed count
+        rows = outer_by_step(folder_metrics(folder))
+        assert all(r["fragment"] == (k - 1) % fragments for k, r in rows.items()), rows
+        # (delayed: the sync of its round applied, and its row written, a sync later)
+        assert all(r.get("round_step", r["step"]) % (H // fragments) == 0
+                   for r in rows.values()), rows  # fmt: skip
 
 
 @pytest.mark.slow
