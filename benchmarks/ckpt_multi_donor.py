@@ -11,7 +11,7 @@ then with `fetch_checkpoint(shared=...)` from all of them, and prints both times
 the ideal ratio for that split (the primary must serve its own 40% alone) and the bytes each
 donor served, with each fetch's MB/s and its share of the rate the caps allow (one donor: its
 cap; all: the ideal time for that split at the caps). `--paced` fetches the way a joiner does
-(one paced connection per donor, 1 MiB chunks; prime-train's LinkGate, no cap of its own).
+(one paced connection per donor, 1 MiB chunks; prime_ckpt's LinkGate, as a joiner paces it, no cap).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from prime_ckpt import CheckpointManager, fetch_checkpoint, serve_directory
+from prime_ckpt import CheckpointManager, LinkGate, fetch_checkpoint, serve_directory
 from prime_ckpt.peer import ask_donors, resolve_token
-from prime_train.diloco.snapshot import LinkGate
 
 SHARED = [("model",), ("diloco", "outer")]
 

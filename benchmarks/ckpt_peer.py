@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 
 from prime_ckpt.manifest import FileEntry, Manifest, file_digest, step_dirname
-from prime_ckpt.peer import fetch_checkpoint, fetch_from_peer, serve_directory
-from prime_train.diloco.snapshot import CHUNK_BYTES, LinkGate
+from prime_ckpt.peer import LinkGate, fetch_checkpoint, fetch_from_peer, serve_directory
+from prime_train.diloco.fetch import CHUNK_BYTES
 
 TOKEN = "benchmark-token"
 

@@ -7,10 +7,12 @@ import pytest
 from prime_ckpt.peer import (
     PeerAuthError,
     PeerError,
+    SideFileHold,
     fetch_side_file,
     list_side_files,
     serve_directory,
 )
+from prime_testkit import wait_until
 
 TOKEN = "run-secret"
 
@@ -49,3 +51,28 @@ def test_a_donor_without_side_files_answers_404(tmp_path):
         pytest.raises(PeerError, match="404"),
     ):
         list_side_files(server.url, TOKEN)
+
+
+def test_a_hold_on_every_donor_is_renewed_moved_and_released(tmp_path):
+    servers, urls = [], []
+    for k in range(2):
+        (tmp_path / f"ckpt{k}").mkdir()
+        (tmp_path / f"log{k}").mkdir()
+        servers.append(serve_directory(tmp_path / f"ckpt{k}", token=TOKEN,
+                                       files_dir=tmp_path / f"log{k}"))  # fmt: skip
+        urls.append(servers[-1].url)
+    gone = "http://127.0.0.1:1"  # a donor that does not answer: skipped, asked again later
+    try:
+        with SideFileHold(lambda: [*urls, gone], TOKEN, "e0001.bin", timeout=2.0) as hold:
+            wait_until(lambda: all(s.held_from() == "e0001.bin" for s in servers), 10,
+                       what="the first renewal")  # fmt: skip
+            hold.hold_from("e0005.bin")  # moved on: the older hold is dropped at once
+            assert [s.held_from() for s in servers] == ["e0005.bin"] * 2
+            hold.hold_from("e0007.bin", now=False)  # asked at the next renewal
+            assert [s.held_from() for s in servers] == ["e0005.bin"] * 2
+            hold.renew()
+            assert [s.held_from() for s in servers] == ["e0007.bin"] * 2
+        assert [s.held_from() for s in servers] == [None, None]  # released, not left to lapse
+    finally:
+        for s in servers:
+            s.close()

@@ -22,7 +22,9 @@ def test_a_joiner_whose_connection_ends_while_it_waits_for_admission_stops_waiti
                                  heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
         run = SimpleNamespace(
             primary=True,
-            placement=SimpleNamespace(world_size=1, membership=SimpleNamespace(mesh=mesh)),
+            placement=SimpleNamespace(  # a node of one rank: rank 0 decides alone
+                membership=SimpleNamespace(mesh=mesh), from_rank0=lambda decide: decide()
+            ),
         )
         coord.close()  # its connection ends, as a stall past the heartbeat timeout ends it
         with pytest.raises(CoordinatorLost):

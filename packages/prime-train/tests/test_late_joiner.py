@@ -15,7 +15,7 @@ import torch.distributed as dist
 from prime_testkit import WorldMesh, gloo_world
 from prime_train.config import DilocoConfig
 from prime_train.diloco import DelayedDiloco
-from prime_train.diloco.late_joiner import JoinedLate, check_holds_agreed
+from prime_train.diloco.listen import JoinedLate, check_holds_agreed
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.round_log import RoundLog
 

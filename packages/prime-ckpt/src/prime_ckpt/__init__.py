@@ -19,7 +19,9 @@ from prime_ckpt.failures import CheckpointFailure
 from prime_ckpt.manager import CheckpointManager
 from prime_ckpt.manifest import committed_steps, step_dirname
 from prime_ckpt.peer import (
+    LinkGate,
     PeerFetch,
+    SideFileHold,
     ask_donors,
     fetch_checkpoint,
     fetch_from_peer,
@@ -42,12 +44,14 @@ __all__ = [
     "CheckpointSource",
     "CheckpointWarning",
     "CorruptCheckpoint",
+    "LinkGate",
     "NoPeerError",
     "PeerAuthError",
     "PeerError",
     "PeerFetch",
     "PeerGoneError",
     "SaveHandle",
+    "SideFileHold",
     "StateMismatch",
     "TIERS",
     "ask_donors",

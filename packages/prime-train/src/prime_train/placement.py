@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from prime_train.diloco.membership import Membership, register, uses_mesh
 from prime_train.errors import ConfigError
 from prime_train.metrics import Log
 
+T = TypeVar("T")
 NODE_ENV = "PRIME_LOCAL_NODE"  # set by the local launcher: this process is simulated node k
 
 
@@ -77,6 +80,14 @@ class Placement:
     @property
     def prefix(self) -> str:
         return f"[node {self.node.index} rank {self.rank}]"
+
+    def from_rank0(self, fn: Callable[[], T]) -> T:
+        """`fn()` on this node's local rank 0, its result on every local rank (one decision
+        for the whole node, where the ranks' views could differ)."""
+        got: list[Any] = [fn() if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(got, src=0, group=self.group)
+        return got[0]
 
     def close(self) -> None:
         """Leave the mesh, then release the process group if this placement created it.

@@ -17,6 +17,7 @@ from prime_train import checkpointing
 from prime_train.config import Config
 from prime_train.data import eval_batches
 from prime_train.datasets import open_datasets
+from prime_train.diloco.replay_log import entry_key
 from prime_train.hf_import import load_hf_weights, run_model_args
 from prime_train.metrics import Log, Metrics
 from prime_train.model import Transformer, num_params
@@ -101,6 +102,12 @@ class Run:
             + f"; {len(train_seqs)} train / {len(held_seqs)} held-out "
             f"sequences of {cfg.data.seq_len} tokens"
         )
+
+    @property
+    def log_key(self) -> bytes:
+        """The key of this run's update-log entries (`replay_log.entry_key` of its token)."""
+        token = self.cfg.mesh.token
+        return entry_key(token.get_secret_value() if token else None)
 
     def _open_checkpoints(self) -> checkpointing.Checkpointer:
         """This node's checkpoint tiers (its folder, RAM staging, the remote); warns when the

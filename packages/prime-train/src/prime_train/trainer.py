@@ -18,7 +18,6 @@ import torch
 from prime_train import faults
 from prime_train.config import Config
 from prime_train.diloco import make_outer_step
-from prime_train.diloco.catch_up import log_key
 from prime_train.diloco.join import join_running_job
 from prime_train.diloco.membership import replay_dir
 from prime_train.diloco.replay_log import ReplayLog
@@ -168,7 +167,7 @@ def replay_log(run: Run) -> ReplayLog | None:
         m = placement.membership
         return m.server.held_from() if m is not None and m.server is not None else None
 
-    return ReplayLog(replay_dir(run.ckpt_dir), placement.rank, keep, log_key(run),
+    return ReplayLog(replay_dir(run.ckpt_dir), placement.rank, keep, run.log_key,
                      held_from if run.primary else None)  # fmt: skip
 
 

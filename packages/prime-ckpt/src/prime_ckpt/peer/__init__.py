@@ -8,8 +8,9 @@ from prime_ckpt.errors import NoPeerError, PeerAuthError, PeerError, PeerGoneErr
 from prime_ckpt.peer.auth import resolve_token
 from prime_ckpt.peer.fetch import PeerFetch, ask_donors, fetch_checkpoint, fetch_from_peer
 from prime_ckpt.peer.guard import Limits
+from prime_ckpt.peer.ratelimit import LinkGate
 from prime_ckpt.peer.server import PeerServer, serve_directory
-from prime_ckpt.peer.side_files import fetch_side_file, list_side_files
+from prime_ckpt.peer.side_files import SideFileHold, fetch_side_file, list_side_files
 
 __all__ = [
     "NoPeerError",
@@ -17,8 +18,10 @@ __all__ = [
     "PeerError",
     "PeerGoneError",
     "Limits",
+    "LinkGate",
     "PeerFetch",
     "PeerServer",
+    "SideFileHold",
     "ask_donors",
     "fetch_checkpoint",
     "fetch_from_peer",

@@ -1,9 +1,14 @@
-"""A donor's upload cap: one token bucket shared by all its connections."""
+"""Token buckets: a donor's upload cap (`RateLimit`), and a fetch's pace that a joiner can also
+hold while its own collective needs the link (`LinkGate`)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+HOLD_MAX_S = 10.0  # the longest a held fetch waits per read (a donor drops a silent reader)
 
 
 class RateLimit:
@@ -23,3 +28,44 @@ class RateLimit:
             wait = start - now
         if wait > 0 and self._closing.wait(wait):
             raise ConnectionAbortedError("server closing")
+
+
+class LinkGate:
+    """`fetch_checkpoint`'s `pace` (pass `gate.wait`) for a fetch that shares its link with
+    the fetching node's own collectives: while the node holds the gate (`held`) the fetch's
+    reads wait (each at most `HOLD_MAX_S`); otherwise they keep to `bytes_per_s` (None: no
+    cap), one bucket for every connection. A paced fetch reads little at a time with a small
+    receive window, so its donors stop sending within a fraction of a second of a hold."""
+
+    def __init__(self, bytes_per_s: float | None = None) -> None:
+        self.rate = bytes_per_s
+        self._open = threading.Event()
+        self._open.set()
+        self._lock = threading.Lock()
+        self._next = time.monotonic()  # when the cap lets the next read start
+        self.held_seconds = 0.0  # held so far, in all
+
+    def wait(self, n: int) -> None:
+        """Before each read of `n` bytes: wait while the gate is held, then for the cap."""
+        self._open.wait(HOLD_MAX_S)
+        if not self.rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + n / self.rate
+        if start > now:
+            time.sleep(start - now)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The node's collective runs: the fetch waits."""
+        self._open.clear()
+        t = time.monotonic()
+        try:
+            yield
+        finally:
+            self._open.set()
+            self.held_seconds += time.monotonic() - t
+            with self._lock:  # no burst to make up for the time held
+                self._next = max(self._next, time.monotonic())

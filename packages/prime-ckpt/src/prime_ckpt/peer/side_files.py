@@ -12,7 +12,7 @@ and under the same upload cap):
 - `/v1/files/<name>`: the file's bytes (Range supported). A file pruned meanwhile is a 410.
 
 Fetcher: `list_side_files(url, token, timeout, hold=None)` and `fetch_side_file(url, name,
-token, timeout) -> bytes`. A side file carries no checksum of its own on the wire: its
+token, timeout) -> bytes`; `SideFileHold` keeps a hold on every donor while it runs. A side file carries no checksum of its own on the wire: its
 content says how to check it (the caller's format).
 """
 
@@ -22,6 +22,7 @@ import http.client
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -159,3 +160,76 @@ def fetch_side_file(
         raise PeerError(f"{url}: fetching side file {name} failed: {e}") from e
     finally:
         conn.close()
+
+
+class SideFileHold:
+    """A fetcher's hold on the side files from `name` on, on every donor `donors()` lists
+    (their urls), while it runs (`with`): asked again every `renew_s` (well within the
+    donors' lease, so a fetcher that dies lets its holds lapse), moved on by `hold_from`, and
+    released on exit. A donor that does not answer is asked again at the next renewal."""
+
+    def __init__(
+        self,
+        donors: Callable[[], list[str]],
+        token: str | bytes | None,
+        name: str,
+        renew_s: float = 10.0,
+        timeout: float = 20.0,
+    ) -> None:
+        self.name = name
+        self._donors, self._token = donors, token
+        self._renew_s, self._timeout = renew_s, timeout
+        self._stop = threading.Event()
+        self._held: set[tuple[str, str]] = set()  # (url, name) holds asked for
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="prime-ckpt-hold", daemon=True)
+
+    def __enter__(self) -> SideFileHold:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(self._timeout + 5)
+        with self._lock:
+            for url, name in self._held:  # done: the donors may prune again, not a lease later
+                try:
+                    list_side_files(url, self._token, 5.0, release=name)
+                except PeerError:
+                    pass
+            self._held.clear()
+
+    def hold_from(self, name: str, now: bool = True) -> None:
+        """Hold from `name` on instead; `now`: ask every donor at once (else at the next
+        renewal)."""
+        self.name = name
+        if now:
+            self.renew()
+
+    def renew(self) -> None:
+        """Ask every donor now (failures are the next renewal's)."""
+        with self._lock:
+            try:
+                urls = self._donors()
+            except Exception:  # the caller's list is briefly unavailable: the next renewal
+                urls = []
+            for url in urls:
+                self._ask(url, self.name)
+
+    def _ask(self, url: str, name: str) -> None:
+        try:
+            list_side_files(url, self._token, self._timeout, hold=name)
+        except PeerError:
+            return
+        for old in [h for h in self._held if h[0] == url and h[1] != name]:
+            try:  # the hold moved on: drop the older one
+                list_side_files(url, self._token, self._timeout, release=old[1])
+                self._held.discard(old)
+            except PeerError:
+                pass
+        self._held.add((url, name))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.renew()
+            self._stop.wait(self._renew_s)

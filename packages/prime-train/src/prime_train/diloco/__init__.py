@@ -5,7 +5,7 @@ Read `outer_step.py` to follow one outer step from start to finish.
 
 from prime_train.config import DilocoConfig
 from prime_train.diloco.delayed import DelayedDiloco
-from prime_train.diloco.late_joiner import JoinedLate
+from prime_train.diloco.listen import JoinedLate
 from prime_train.diloco.membership import Membership, uses_mesh
 from prime_train.diloco.outer_optimizer import OuterOptimizer, local_tensor
 from prime_train.diloco.outer_step import Diloco, OuterStepFailed

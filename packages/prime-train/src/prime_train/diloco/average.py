@@ -36,7 +36,7 @@ class Averaged:
     """The outcome of one attempt: `error` (None: it worked on this node); for a joiner,
     `late` (why it cannot use the result: it was admitted after the state it loaded);
     `mismatch`: some node states another outer step count than this one (a contributor's is
-    compared in the commit vote, and one that differs leaves; `late_joiner`'s check makes a
+    compared in the commit vote, and one that differs leaves; `listen.check_holds_agreed` makes a
     node that did not contribute leave)."""
 
     stats: prime_comm.AllReduceStats | None

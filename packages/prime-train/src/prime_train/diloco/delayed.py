@@ -59,7 +59,7 @@ from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
 from prime_train.diloco.average import Averaged
 from prime_train.diloco.contribution import outlier, stated_norm
-from prime_train.diloco.late_joiner import settle_late, sync_part
+from prime_train.diloco.listen import settle_late, sync_part
 from prime_train.diloco.outer_step import Diloco
 from prime_train.diloco.round_log import join_cost, members_before, round_counts
 from prime_train.diloco.update_codec import Encoded

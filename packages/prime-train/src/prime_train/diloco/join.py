@@ -6,14 +6,14 @@ restarted coordinator and a joiner evicted before it was admitted all go through
 `join_running_job`, and it does one thing:
 
 1. Register as a joiner (`diloco.membership`; a rerun node is registered by its placement,
-   every other case registers again here, `register_again`): the members never wait for it.
+   every other case registers again here, `_register_again`): the members never wait for it.
    A run whose every member left has nobody to join: the coordinator sends its joiners away
    and registering again makes them founders, which resume from the newest checkpoint any
    of them holds (`Run.resume`; a node lacking it joins the run the holders form).
 2. Say `ready()` at once: the members admit it at their next sync point. Meanwhile local
    rank 0 fetches a snapshot (the members' first checkpoint after it said ready, made at the
-   boundary that admitted it: `diloco/snapshot.py`) in the background, and holds the
-   members' update logs from there on (`catch_up.Holder`).
+   boundary that admitted it: `diloco/fetch.py`) in the background, and holds the
+   members' update logs from there on (`fetch.hold_logs`).
 3. Listen (`diloco/listen.py`): each round it takes part in the all-reduce contributing
    nothing and keeps the committed update; once the snapshot is in it loads it, replays the
    logged rounds between the snapshot and the first kept one (checked against the members'
@@ -22,33 +22,33 @@ restarted coordinator and a joiner evicted before it was admitted all go through
 
 If it loses its place on the way (evicted, the coordinator restarted, a round it cannot use:
 `JoinedLate`), it stops listening, drops what it kept and goes back to step 1, at most
-`MAX_TRIES` times. What the join did is one `joined` metrics row (`join_state.JoinedRow`).
+`MAX_TRIES` times. What the join did is one `joined` metrics row (`JoinedRow`); what a try
+holds while it runs is a `Joining`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from prime_mesh import CoordinatorLost, MeshEvicted, MeshTimeout, RunCompleted
-from prime_train import faults
-from prime_train.diloco.catch_up import Holder, on_primary
-from prime_train.diloco.join_state import JoinedRow, Joining
-from prime_train.diloco.late_joiner import JoinedLate
-from prime_train.diloco.listen import Listener
-from prime_train.diloco.register_again import register_again
-from prime_train.diloco.resume_agreement import LacksNewestStep
-from prime_train.diloco.snapshot import (
-    JOIN_TIMEOUT_S,
-    Background,
-    JoinFailed,
-    fetch_rate,
-    shared_tensors,
+from prime_mesh import (
+    CoordinatorLost,
+    MeshError,
+    MeshEvicted,
+    MeshRefused,
+    MeshTimeout,
+    RunCompleted,
 )
+from prime_train import faults
+from prime_train.diloco.fetch import JOIN_TIMEOUT_S, Background, JoinFailed, hold_logs
+from prime_train.diloco.listen import JoinedLate, Listener
+from prime_train.diloco.membership import Membership
+from prime_train.diloco.resume_agreement import LacksNewestStep
 from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
-    from prime_train.diloco.membership import Membership
+    from prime_ckpt import SideFileHold
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep, OuterStepReport
 
@@ -56,6 +56,62 @@ MAX_TRIES = 10  # tries that lost their place (then joining again) before giving
 FORM_AGAIN_S = 10.0  # a founder holding nothing, among founders holding nothing, waits so long
 LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
 LOST = (MeshEvicted, CoordinatorLost, JoinedLate)  # a try lost its place: join again
+
+
+@dataclass
+class JoinedRow:
+    """The figures of a join, from its first registration to its entry: the members'
+    checkpoint of inner step `fetched_step` it loaded, the logged rounds it replayed on top,
+    the rounds it listened to. Counts add up over a join's tries."""
+
+    rejoined: int | None = None  # the how-manieth rejoin by itself (None: a fresh join)
+    donor: str | None = None  # whose checkpoint (its own state) it loaded
+    fetched_step: int = 0
+    fetch_bytes: int = 0
+    fetch_seconds: float = 0.0
+    fetch_held_seconds: float = 0.0  # of those, held while the rounds' all-reduces ran
+    fetch_commit_seconds: float = 0.0  # of those, the fsync once it was all in
+    snapshot_donors: dict[str, int] = field(default_factory=dict)  # node -> snapshot bytes
+    load_seconds: float = 0.0
+    snapshots: int = 0  # snapshots loaded (a try that lost its place takes a new one)
+    replayed: int = 0  # logged rounds replayed (the backlog: between snapshot and kept rounds)
+    replay_bytes: int = 0
+    replay_seconds: float = 0.0  # fetching and applying them
+    replay_donors: list[str] = field(default_factory=list)
+    late_admissions: int = 0  # tries that lost their place and listened again
+    listened: int = 0  # rounds taken as a member contributing nothing (`diloco/listen.py`)
+    listened_fetching: int = 0  # of the later ones, rounds committed while its backlog came
+    snapshot_rounds: int = 0  # rounds listened before the snapshot was in
+    backlog_seconds: float = 0.0  # fetching the backlog in the background
+
+    def row(self, step: int, startup: float, admitted: float) -> dict[str, Any]:
+        """The metrics row of the entry at inner step `step`; `startup`: seconds from the
+        process's start to the join's; `admitted`: from the join's start to its entry."""
+        figures = asdict(self)
+        rejoined = figures.pop("rejoined")
+        return {
+            "step": step,
+            "joined": True,
+            **figures,
+            "startup_seconds": startup,
+            "admitted_seconds": admitted,
+            **({"rejoined": rejoined} if rejoined else {}),
+        }
+
+
+@dataclass
+class Joining:
+    """One try at joining, live: the figures so far, the inner step of the state it holds,
+    and, on the node's local rank 0, the snapshot's fetch under way (`snapshot`) and the hold
+    on the donors' update logs (`holder`). `waiting`: no snapshot loaded yet (every local
+    rank knows it)."""
+
+    row: JoinedRow
+    started: float = field(default_factory=time.monotonic)  # the join's first try
+    step: int = 0
+    waiting: bool = True
+    snapshot: Background | None = None
+    holder: SideFileHold | None = None
 
 
 def join_running_job(
@@ -103,17 +159,43 @@ def join_running_job(
     raise AssertionError("unreachable")
 
 
+REGISTER_POLL_S = 1.0
+
+
+class RejoinFailed(MeshError):
+    """No coordinator took this node's registration within `diloco.rejoin_wait_s`."""
+
+
 def _register_again(run: Run, outer: ElasticOuterStep, lost: BaseException) -> Membership:
-    """Leave what is left of the old membership and register again (a joiner, waiting; or a
-    founder of a run that has no members left)."""
-    membership = run.placement.membership
-    assert membership is not None
+    """Leave what is left of the old membership and register again, trying for up to
+    `diloco.rejoin_wait_s` (`lost`: why, for the line if it cannot). The coordinator decides,
+    as for a node started afresh: a joiner of the running job (`Membership.joining`), or,
+    when the run has no members left, a founder forming it anew (returned once formed)."""
+    cfg, old = run.cfg, run.placement.membership
+    assert old is not None
     try:
-        membership.close()
+        old.close()
     except Exception as e:  # an evicted node's connection is already gone: nothing to leave
         run.log.info(f"closing the old membership: {type(e).__name__}: {e}")
     t0 = time.monotonic()
-    membership = register_again(run, lost)
+    while True:
+        try:
+            membership = Membership.join(cfg, run.ckpt_dir, serve=run.primary,
+                                         warn=run.log.warn, name=run.placement.node.name,
+                                         launcher_index=run.placement.node.launcher_index)  # fmt: skip
+            break
+        except MeshRefused:  # the run completed, or this node cannot take part: said once
+            raise
+        except (MeshError, OSError) as e:  # the coordinator away or the link flapping
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() - t0 > cfg.diloco.rejoin_wait_s:
+            raise RejoinFailed(
+                f"this node lost its mesh membership ({type(lost).__name__}: {lost}) and "
+                f"could not register again within diloco.rejoin_wait_s = "
+                f"{cfg.diloco.rejoin_wait_s:g} s ({last}); check its link to the coordinator "
+                f"at {cfg.mesh.coordinator}, then rerun the same command to join again"
+            )
+        time.sleep(REGISTER_POLL_S)
     run.placement.membership = membership
     outer.reattach(membership.mesh)
     run.log.info(
@@ -175,10 +257,8 @@ def _listen_and_enter(
     membership = run.placement.membership
     assert membership is not None
     if run.primary:
-        joining.holder = Holder(membership).__enter__()
-        joining.snapshot = Background(membership, run.ckpt_dir,
-                                      shared_tensors(run.cfg.diloco.overlap),
-                                      fetch_rate(run.cfg.mesh))  # fmt: skip
+        joining.holder = hold_logs(membership)
+        joining.snapshot = Background(membership, run.ckpt_dir, run.cfg)
     outer.listen(listener)
     faults.delay_first_ready(run.log)
     membership.mesh.ready()
@@ -253,7 +333,7 @@ def wait_admitted(run: Run, joining: Joining) -> None:
         return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
                                      for m in members) else None  # fmt: skip
 
-    while (got := on_primary(run, ask)) is None:
+    while (got := run.placement.from_rank0(ask)) is None:
         time.sleep(0.2)
     kind, why = got
     errors = {"RunCompleted": RunCompleted, "JoinFailed": JoinFailed, "MeshTimeout": MeshTimeout,

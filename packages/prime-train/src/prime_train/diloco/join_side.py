@@ -1,4 +1,4 @@
-"""What joining (`diloco/join.py`, `listen.py`, `catch_up.py`) uses of the outer step, beside
+"""What joining (`diloco/join.py`, `listen.py`, `fetch.py`) uses of the outer step, beside
 its rounds: replaying a logged update, applying a kept one, listening. `Diloco` (and so
 `DelayedDiloco`) is a `JoinSide`; `prime_train.seam.ElasticOuterStep` declares it."""
 

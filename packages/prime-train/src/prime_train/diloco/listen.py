@@ -18,7 +18,7 @@ round on it listens:
   each committed round's update, the same bits every member applies
   (what their log entry of that round holds), on disk (packed, ~1.25 B/param per round;
   uint8 compression), with the round's counted reads and members (a few numbers, in RAM).
-- Meanwhile local rank 0 fetches the snapshot in the background (`snapshot.Background`), from
+- Meanwhile local rank 0 fetches the snapshot in the background (`fetch.Background`), from
   every member at once, holding while each round's all-reduce runs (`collective`):
   the members' first checkpoint newer than the newest they offered before it said ready. The
   members checkpoint at the round that admitted a node (`Diloco.joiners_waiting`), so the
@@ -31,12 +31,12 @@ round on it listens:
   average with the members: its outer weights are theirs, bit for bit (the members' next
   rows' `outer_sha256` show it), and it contributes from the next round.
 - With `overlap = "delayed"` each listened round is a delayed joiner's entry round (sync
-  point, all-reduce and vote at once, then `late_joiner.settle_late`), and a snapshot
+  point, all-reduce and vote at once, then `settle_late`), and a snapshot
   holding the donor's finished, unapplied round settles it first (`settle_loaded`).
 
 With streaming fragments (`[diloco] fragments` > 1, `diloco/fragments.py`) it listens the
 same way: each round it sends zeros as long as the fragment the *members* sync (that of
-their count, `Listener.count`, not of its own stale one: `late_joiner.sync_part`) and keeps
+their count, `Listener.count`, not of its own stale one: `sync_part`) and keeps
 that fragment's update; the backlog's entries and the kept rounds are each one fragment's
 update, applied in order, each to its own fragment (the fragment follows the count). Its
 model then takes the outer weights of every fragment, as a joiner's entry does (`enter`).
@@ -61,17 +61,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from prime_mesh import MeshTimeout
-from prime_train.diloco.catch_up import Fetched, fetch_entries, log_key, on_primary, replay_fetched
-from prime_train.diloco.late_joiner import JoinedLate
-from prime_train.diloco.replay_log import Entry
-from prime_train.diloco.snapshot import Snapshot, load_snapshot
+from prime_train.diloco.fetch import Fetched, Snapshot, fetch_entries, load_snapshot, replay_fetched
+from prime_train.diloco.replay_log import Entry, entry_name
 from prime_train.diloco.update_codec import decode
+from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
-    from prime_train.diloco.join_state import Joining
+    from prime_train.diloco.join import Joining
+    from prime_train.diloco.outer_optimizer import OuterOptimizer
+    from prime_train.diloco.outer_step import Diloco
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
+
+
+class JoinedLate(RunDirError):
+    """A joiner cannot take the members' rounds (its snapshot or the rounds it missed did not
+    come, or a round it took part in lacks its update): it leaves and joins again; the
+    members go on without waiting."""
 
 
 BACKLOG_JOIN_S = 60.0  # how long closing a listener waits for its backlog's fetch to end
@@ -112,8 +119,7 @@ class Listener:
         self.count = count
         holder = self.joining.holder
         if holder is not None:  # its snapshot will be of a boundary from here on
-            holder.first = max(0, count - 2)
-            holder.renew()
+            holder.hold_from(entry_name(max(0, count - 2), 0))
         self.run.log.info(
             f"admitted before its snapshot arrived: listening (a member contributing nothing) "
             f"from outer step {count + 1} while the snapshot comes in the background"
@@ -126,8 +132,7 @@ class Listener:
             return
         holder = self.joining.holder
         if holder is not None:  # pin the backlog on every donor until it is in
-            holder.first = self.mine + 1
-            holder.renew()
+            holder.hold_from(entry_name(self.mine + 1, 0))
         self._thread = threading.Thread(
             target=self._fetch, args=(last,), name="prime-join-backlog", daemon=True
         )
@@ -138,22 +143,13 @@ class Listener:
         outer steps after this node's up to `last`."""
         membership = self.run.placement.membership
         assert membership is not None
-        want = list(range(self.mine + 1, last + 1))
-        t0 = time.monotonic()
+        ranks = self.run.placement.world_size
         try:
-            # one download at a time: the all-reduce it takes part in keeps half its link
-            got = fetch_entries(membership, self.mine, self.run.placement.world_size,
-                                self.backlog, until=last, one_at_a_time=True)  # fmt: skip
+            got = fetch_entries(membership, self.mine, last, ranks, self.backlog)
         except Exception as e:  # any failure: the joiner leaves and listens again
             self._failed = f"fetching the rounds it missed failed: {type(e).__name__}: {e}"
             return
-        if got.outer_steps != want:
-            self._failed = (
-                f"the donors' logs offered outer steps {got.outer_steps[:1]}.. of "
-                f"{want[0]}..{want[-1]} (pruned, or a donor left)"
-            )
-            return
-        self.joining.row.backlog_seconds = time.monotonic() - t0
+        self.joining.row.backlog_seconds = got.seconds
         self._got = got
 
     def collective(self) -> AbstractContextManager[None]:
@@ -173,7 +169,7 @@ class Listener:
             done = not self._needed or (self._thread is not None and not self._thread.is_alive())
             return done, self._failed, None
 
-        return on_primary(self.run, ask)
+        return self.run.placement.from_rank0(ask)
 
     def listened(self, got: Averaged, step: int) -> bool:
         """A committed round this node took part in without contributing (its average is in
@@ -221,7 +217,7 @@ class Listener:
         bound = self.outer.mesh.join_timeout
         if bound is None:
             return
-        listened = on_primary(self.run, lambda: time.monotonic() - self.t0)
+        listened = self.run.placement.from_rank0(lambda: time.monotonic() - self.t0)
         if listened <= bound:
             return
         self.close()
@@ -257,14 +253,14 @@ class Listener:
         self.count += 1
         entry = Entry(self.count, self.step, self.outer.local_rank, "", "", update)
         entry = entry.pack(got.encoded)
-        (self.folder / str(self.count)).write_bytes(entry.encode(log_key(self.run)))
+        (self.folder / str(self.count)).write_bytes(entry.encode(self.run.log_key))
         self.kept.append(_Kept(self.count, got.consumed, tuple(self.outer.mesh.global_members)))
 
     def _catch_up(self) -> None:
         """Replay the backlog (hash-checked), then the kept rounds after the state; restore
         the data state."""
         if self._needed:
-            got = on_primary(self.run, lambda: self._got)
+            got = self.run.placement.from_rank0(lambda: self._got)
             assert got is not None
             t0 = time.monotonic() - got.seconds  # (the row's replay time: fetch and apply)
             problem = replay_fetched(self.run, self.outer, self.joining, got, self.backlog, t0)
@@ -277,7 +273,7 @@ class Listener:
                 continue
             self.applied += 1
             path = self.folder / str(kept.outer_step)
-            self.outer.apply_update(Entry.decode(path.read_bytes(), log_key(self.run)).update)
+            self.outer.apply_update(Entry.decode(path.read_bytes(), self.run.log_key).update)
             if data is not None and kept.consumed is not None:
                 data.commit(kept.consumed, kept.members)  # as the members moved them
         self.outer.take_members_state()
@@ -291,8 +287,8 @@ class Listener:
             if self._thread.is_alive():
                 self.run.log.warn(f"the backlog's fetch is still on after {BACKLOG_JOIN_S:g} s")
             self._thread = None
-        if caught_up and self.joining.holder is not None:
-            self.joining.holder.first = (self.count or 0) + 1  # nothing older is needed
+        if caught_up and self.joining.holder is not None:  # nothing older is needed
+            self.joining.holder.hold_from(entry_name((self.count or 0) + 1, 0), now=False)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -309,3 +305,72 @@ def _kept_aside(average: torch.Tensor, got: Averaged) -> Iterator[None]:
             decode(got.encoded, out=average)
         else:
             average.copy_(kept)
+
+
+# The outer step's side: a listener's rounds (the header, `diloco/average.py`, tells it at
+# its first round how many outer steps the members are ahead: `behind`)
+
+
+def sync_count(outer: Diloco) -> int:
+    """The committed count this node's next sync states and takes its fragment from: a
+    listener's is the members' (it will have applied their rounds when it enters)."""
+    listener = outer.listener
+    if listener is not None and listener.count is not None:
+        return listener.count
+    return outer.outer_steps
+
+
+def sync_part(outer: Diloco) -> OuterOptimizer:
+    """The outer optimizer of the fragment this node's next sync averages (`sync_count`)."""
+    return outer.fragments.part(sync_count(outer))
+
+
+def settle_late(outer: Diloco, got: Averaged, step: int, contributing: bool = True) -> int | None:
+    """A committed round `got` ending at inner step `step`: the inner step of the members'
+    round, for the round to apply as theirs does (its buffer holding the average); None: a
+    round a listener only kept. JoinedLate when it cannot catch up, when the header says
+    this node, not listening, lacks rounds the members applied, or when it did not
+    contribute (`contributing`: left out of the round) and its outer state is not the
+    contributors' (`check_holds_agreed`)."""
+    listener = outer.listener
+    if listener is None:
+        if got.late is not None:
+            raise JoinedLate(got.late)  # the members commit; this node leaves
+        if not contributing:
+            check_holds_agreed(outer)
+        return step
+    if listener.count is None:  # its first round: its count is 0, or a rejoiner's stale one
+        step = (outer.outer_steps + got.behind + 1) * outer.period
+        listener.admitted(outer.outer_steps + got.behind)
+    if got.members_step is not None:  # the header's: a delayed run's count does not tell it
+        step = got.members_step  # (a dropped round moves the step, not the count)
+    if not listener.listened(got, step):
+        return None  # kept, not applied: it still fetches its snapshot or backlog
+    check_holds_agreed(outer)
+    outer.listen(None)  # caught up: this round applies as theirs
+    return step
+
+
+def check_holds_agreed(outer: Diloco) -> None:
+    """JoinedLate unless this node, which did not contribute to the round just committed (a
+    listener that has caught up, a member left out of it), holds the outer state the
+    contributors voted with (`mesh.agreed_outer`): its weights are compared only when it
+    contributes, and a change made outside the update stream (a fault, a bit flip on the
+    only contributor) cannot be replayed from it; applying the round on other weights would
+    write a row of another hash; so would applying it at another outer step count (a round
+    it missed). The node then takes the members' state again."""
+    agreed = outer.mesh.agreed_outer
+    if agreed is None:
+        return
+    if agreed[0] != outer.outer_steps:
+        raise JoinedLate(
+            f"this node is at outer step {outer.outer_steps}, the contributors at {agreed[0]}: "
+            "it missed or repeated a round; it takes the members' state again"
+        )
+    mine = outer.rounds.node_digest()
+    if mine != agreed[1]:
+        raise JoinedLate(
+            f"outer weights differ from the contributors' at outer step {agreed[0]}: this node "
+            f"holds hash {mine[:16]}, the contributors voted with {agreed[1][:16]}; it takes "
+            "the members' state again"
+        )

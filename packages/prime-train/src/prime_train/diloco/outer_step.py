@@ -44,7 +44,7 @@ from prime_train.diloco.contribution import every_rank, outlier, stated_norm
 from prime_train.diloco.error_feedback import ErrorFeedback
 from prime_train.diloco.fragments import build
 from prime_train.diloco.join_side import JoinSide
-from prime_train.diloco.late_joiner import JoinedLate, settle_late, sync_count, sync_part
+from prime_train.diloco.listen import JoinedLate, Listener, settle_late, sync_count, sync_part
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
 from prime_train.diloco.resume_agreement import agree_resume_step
@@ -62,7 +62,6 @@ from prime_train.seam import OuterStepReport
 
 if TYPE_CHECKING:
     from prime_mesh import ElasticDeviceMesh
-    from prime_train.diloco.listen import Listener
     from prime_train.slot_loader import SlotLoader
 
 
@@ -249,7 +248,7 @@ class Diloco(JoinSide):
         """One attempt's average of the pseudo-gradient over the mesh's group, after its sync
         point; `contributing` is False for a joiner's first round or a node left out of it;
         `reads`: the node's uncounted reads per data slot; `count`: the committed count it
-        states and takes its fragment from (default `late_joiner.sync_count`: a listener's is
+        states and takes its fragment from (default `listen.sync_count`: a listener's is
         the members'); `step`: its inner step there (a listener learns the members' from the
         header)."""
         count = sync_count(self) if count is None else count

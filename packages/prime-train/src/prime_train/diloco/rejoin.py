@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from prime_mesh import CoordinatorLost, MeshError, MeshEvicted
 from prime_train.diloco.join import join_running_job
-from prime_train.diloco.late_joiner import JoinedLate
+from prime_train.diloco.listen import JoinedLate
 from prime_train.seam import ElasticOuterStep
 
 if TYPE_CHECKING:

@@ -1,35 +1,55 @@
-"""A joiner's snapshot: the members' newest checkpoint, fetched in the background while it
-listens (`Background`, on the node's local rank 0, paced by `LinkGate`), loaded when it is in
-(`load_snapshot`), and what a joiner does when the members leave meanwhile (`members_left`).
-The whole join: `diloco/join.py`.
+"""What a joiner fetches while it listens (`diloco/listen.py`), on its local rank 0, in the
+background: the members' newest checkpoint (its *snapshot*), and the committed updates after
+it from their update logs (`diloco/replay_log.py`). The whole join: `diloco/join.py`.
 
-The snapshot comes from every member at once (`prime_ckpt.fetch_checkpoint`): what all
-members hold alike (`shared_tensors`: the outer weights and momentum, and in synchronous runs
-the model weights, which equal the outer weights at a boundary) from all of them, each under
-its own serving cap; what is a node's own (inner optimizer moments, RNG, error-feedback
-residual, data positions) from one of them, the *primary*, whose checkpoint it is. A donor that
-dies mid-transfer is replaced by the others; if it was the primary, another member's
-checkpoint of the same step is taken, keeping the shared bytes already in.
+- `Background` fetches the snapshot from every member at once (`prime_ckpt.fetch_checkpoint`):
+  what all members hold alike (the outer weights and momentum, and in synchronous runs the
+  model weights, which equal the outer weights at a boundary) from all of them, each under
+  its own serving cap; what is a node's own (inner optimizer moments, RNG, error-feedback
+  residual, data positions) from one of them, the *primary*, whose checkpoint it is. A donor
+  that dies mid-transfer is replaced by the others; if it was the primary, another member's
+  checkpoint of the same step is taken, keeping the shared bytes already in. `load_snapshot`
+  loads it on every local rank; `members_left` says what a joiner does when the members
+  leave meanwhile.
+- `hold_logs` asks every donor, every few seconds, to keep the log entries from a given outer
+  step on (`prime_ckpt.SideFileHold`), so those it still needs are not pruned; a joiner that
+  dies stops renewing and the hold lapses after the donors' lease.
+- `fetch_entries` downloads the entries after the snapshot's outer step (every local rank's),
+  spread over the donors that have them (bit-identical on every member); `replay_fetched`
+  applies them on every local rank (`Diloco.replay`), each checked against the members' hash.
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prime_ckpt import PeerError, ask_donors, fetch_checkpoint, resolve_token, step_dirname
+import torch.distributed as dist
+
+from prime_ckpt import (
+    LinkGate,
+    PeerError,
+    SideFileHold,
+    ask_donors,
+    fetch_checkpoint,
+    fetch_side_file,
+    list_side_files,
+    resolve_token,
+    step_dirname,
+)
 from prime_mesh import RunCompleted
 from prime_train.diloco.membership import Membership
+from prime_train.diloco.replay_log import BadEntry, Entry, entry_key, entry_name, parse_name
 from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
-    from prime_train.config import MeshConfig
-    from prime_train.diloco.join_state import Joining
+    from prime_train.config import Config
+    from prime_train.diloco.join import Joining
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
 
@@ -39,13 +59,6 @@ POLL_S = 0.2
 # request overhead is hidden by the parallel connections)
 CHUNK_BYTES = 1 << 20
 OUTER_STATE = ("diloco", "outer")  # outer weights and momentum: alike on every member
-
-
-def shared_tensors(overlap: str) -> list[tuple]:
-    """The checkpoint's tensors every member holds alike at an outer boundary: the outer
-    state, and with synchronous rounds the model weights (set to the outer weights at each
-    boundary; with `overlap = "delayed"` each node's model has trained on)."""
-    return [OUTER_STATE] if overlap == "delayed" else [OUTER_STATE, ("model",)]
 
 
 class JoinFailed(RunDirError):
@@ -87,11 +100,7 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def fetch_members_state(
-    membership: Membership,
-    ckpt_dir: Path,
-    newer_than: int | None,
-    shared: list[tuple],
-    gate: LinkGate,
+    membership: Membership, ckpt_dir: Path, newer_than: int | None, shared: list, gate: LinkGate
 ) -> Snapshot:
     """On the node's local rank 0: wait (bounded) until a donor offers a checkpoint newer than
     `newer_than` that this node's folder does not hold, then fetch it from every member at
@@ -197,76 +206,26 @@ def members_left(membership: Membership, since: float) -> Exception | None:
     return None
 
 
-HOLD_MAX_S = 10.0  # the longest a held snapshot waits per read (a donor drops a silent reader)
-
-
-class LinkGate:
-    """A listener's snapshot yields the link to the round's collective and keeps under a cap:
-    the listener holds the gate (`held`) from its sync point until the round's all-reduce is
-    done, and the fetch's reads wait meanwhile (`wait`, each at most `HOLD_MAX_S`), and
-    otherwise keep to `bytes_per_s` (None: no cap). Its reads are small and its receive window
-    too (`prime_ckpt.fetch_checkpoint`'s `pace`), so its donors stop sending within a fraction
-    of a second: the all-reduce has the joiner's link, and each donor's uplink, to itself,
-    and the snapshot takes (most of) the link while the members compute."""
-
-    def __init__(self, bytes_per_s: float | None = None) -> None:
-        self.rate = bytes_per_s
-        self._open = threading.Event()
-        self._open.set()
-        self._lock = threading.Lock()
-        self._next = time.monotonic()  # when the cap lets the next read start
-        self.held_seconds = 0.0  # held so far, in all
-
-    def wait(self, n: int) -> None:
-        """Before each read of `n` bytes of the snapshot: wait while the gate is held, then
-        for the cap (shared by every connection)."""
-        self._open.wait(HOLD_MAX_S)
-        if not self.rate:
-            return
-        with self._lock:
-            now = time.monotonic()
-            start = max(now, self._next)
-            self._next = start + n / self.rate
-        if start > now:
-            time.sleep(start - now)
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """The round's collective runs: the snapshot waits."""
-        self._open.clear()
-        t = time.monotonic()
-        try:
-            yield
-        finally:
-            self._open.set()
-            self.held_seconds += time.monotonic() - t
-            with self._lock:  # no burst to make up for the time held
-                self._next = max(self._next, time.monotonic())
-
-
 class Background:
     """A listener's snapshot, fetched on local rank 0 in the background while it listens:
     the members' first checkpoint newer than `baseline` (the newest they offered before it
-    said ready, so one made at the boundary that admitted it, or later), from every member at
-    once (each at its serving cap), holding off while the round's collective runs (`gate`,
-    held by the listener): the snapshot has the joiner's link while the members compute, the
-    all-reduce has it the rest of the round. (Taking it from both donors without holding
-    off filled a 2 Mbit/s link and timed the all-reduce out; one donor at a time without
-    holding off still doubled the members' all-reduce.) `.got` once in, `.failed` (why) if
-    not."""
+    said ready: one made at the boundary that admitted it, or later), from every member at
+    once, paced by `gate`, which the listener holds while each round's all-reduce runs: the
+    snapshot has the joiner's link while the members compute. (Without holding off, both
+    donors filled a 2 Mbit/s link and timed the all-reduce out.) `.got` once in, `.failed`
+    (why) if not. Its cap: `mesh.fetch_mbit`, by default 2 x `mesh.serve_mbit` (the whole
+    link when the donors serve at half of it)."""
 
-    def __init__(
-        self,
-        membership: Membership,
-        ckpt_dir: Path,
-        shared: list[tuple],
-        bytes_per_s: float | None = None,
-    ):
-        """`bytes_per_s`: the cap on the fetch (None: none), see `LinkGate`."""
+    def __init__(self, membership: Membership, ckpt_dir: Path, cfg: Config):
         self.got: Snapshot | None = None
         self.failed: BaseException | None = None
-        self.gate = LinkGate(bytes_per_s)
+        mesh = cfg.mesh
+        mbit = mesh.fetch_mbit if mesh.fetch_mbit is not None else 2 * mesh.serve_mbit
+        self.gate = LinkGate(mbit * 1e6 / 8 or None)
         self.baseline = _newest([u for _, u in membership.donors()], membership.token)
+        # alike on every member at a boundary: the outer state, and with synchronous rounds
+        # the model (set to the outer weights; a delayed node's model has trained on)
+        shared = [OUTER_STATE] if cfg.diloco.overlap == "delayed" else [OUTER_STATE, ("model",)]
         self._args = (membership, ckpt_dir, shared)
         self._thread = threading.Thread(target=self._run, name="prime-join-snapshot", daemon=True)
         self._thread.start()
@@ -313,8 +272,108 @@ def load_snapshot(run: Run, outer: ElasticOuterStep, joining: Joining, got: Snap
     )
 
 
-def fetch_rate(mesh: MeshConfig) -> float | None:
-    """A listener's cap on its snapshot's fetch, bytes/s (None: none): `mesh.fetch_mbit`, by
-    default 2 x `mesh.serve_mbit` (the whole link when the donors serve at half of it)."""
-    mbit = mesh.fetch_mbit if mesh.fetch_mbit is not None else 2 * mesh.serve_mbit
-    return mbit * 1e6 / 8 or None
+# The members' update logs
+
+TIMEOUT_S = 20.0  # every connect and read of a listing or entry
+
+
+def hold_logs(membership: Membership) -> SideFileHold:
+    """A hold, started, on every donor's update-log entries (from the first on, until
+    `hold_from(entry_name(outer_step, 0))` moves it on; see the module doc)."""
+    donors = lambda: [url for _, url in membership.donors()]  # noqa: E731
+    return SideFileHold(donors, membership.token, entry_name(0, 0), timeout=TIMEOUT_S).__enter__()
+
+
+@dataclass
+class Fetched:
+    """The entries `fetch_entries` downloaded: `outer_steps`, in order, every local rank's."""
+
+    outer_steps: list[int]
+    bytes: int
+    seconds: float
+    donors: set[str]
+
+
+def _offers(membership: Membership, after: int, ranks: int) -> dict[int, list[tuple[str, str]]]:
+    """outer step (after `after`) -> the `(node_id, url)` donors whose log has every rank's."""
+    offers: dict[int, list[tuple[str, str]]] = {}
+    for node_id, url in membership.donors():
+        try:
+            names = list_side_files(url, membership.token, TIMEOUT_S)
+        except PeerError:
+            continue
+        have: dict[int, set[int]] = {}
+        for parsed in filter(None, map(parse_name, names)):
+            have.setdefault(parsed[0], set()).add(parsed[1])
+        for outer, got in have.items():
+            if outer > after and got >= set(range(ranks)):
+                offers.setdefault(outer, []).append((node_id, url))
+    return offers
+
+
+def fetch_entries(
+    membership: Membership, after: int, until: int, ranks: int, folder: Path
+) -> Fetched:
+    """Download every local rank's entries of outer steps `after`+1..`until` into `folder`, one
+    at a time (the joiner's link carries the members' all-reduce too), each from the next donor
+    that offers it (they are bit-identical on every member); PeerError when one cannot be had
+    (pruned past `after`, or every donor that had it left)."""
+    t0, token = time.monotonic(), membership.token
+    offers = _offers(membership, after, ranks)
+    folder.mkdir(parents=True, exist_ok=True)
+    got = Fetched(list(range(after + 1, until + 1)), 0, 0.0, set())
+    for i, (outer, rank) in enumerate((o, r) for o in got.outer_steps for r in range(ranks)):
+        donors, name, errors = offers.get(outer, []), entry_name(outer, rank), []
+        for k in range(len(donors)):  # start at a different donor for each entry
+            node_id, url = donors[(i + k) % len(donors)]
+            try:
+                data = fetch_side_file(url, name, token, TIMEOUT_S)
+                Entry.decode(data, entry_key(token))  # a torn, corrupt or forged one: refused
+            except (PeerError, BadEntry) as e:
+                errors.append(f"{node_id}: {e}")
+                continue
+            (folder / name).write_bytes(data)
+            got.bytes += len(data)
+            got.donors.add(node_id)
+            break
+        else:
+            raise PeerError(
+                f"no donor could give {name} ({'; '.join(errors) or 'none offers it: pruned'})"
+            )
+    got.seconds = time.monotonic() - t0
+    return got
+
+
+def replay_fetched(
+    run: Run, outer: ElasticOuterStep, joining: Joining, got: Fetched, folder: Path, t0: float
+) -> str | None:
+    """Every local rank replays its fetched entries (`got`, in `folder`); None when all
+    matched the members' hashes (the join's row then counts them), else the first mismatch."""
+    ranks, rank = run.placement.world_size, run.placement.rank
+    problem, last = None, None
+    for o in got.outer_steps:
+        # (checked again: this process wrote it, but disks fail)
+        entry = Entry.decode((folder / entry_name(o, rank)).read_bytes(), run.log_key)
+        problem = outer.replay(entry)
+        if problem is not None:
+            break
+        last = entry
+    problems = [problem]
+    if ranks > 1:
+        problems = [None] * ranks
+        dist.all_gather_object(problems, problem, group=run.placement.group)
+    problem = next((p for p in problems if p), None)
+    if run.primary:
+        shutil.rmtree(folder, ignore_errors=True)
+    if problem is not None:
+        return problem
+    assert last is not None
+    outer.replayed(last.outer_sha256)
+    row = joining.row
+    row.replayed += len(got.outer_steps)
+    row.replay_bytes += got.bytes
+    row.replay_seconds += time.monotonic() - t0
+    row.replay_donors = sorted(set(row.replay_donors) | got.donors)
+    joining.step = last.step
+    outer.restore_shared(last.shared)
+    return None
