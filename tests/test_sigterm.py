@@ -10,6 +10,7 @@ The coordinator is its own `prime-mesh coordinator` process; each node is its ow
 process in its own folder, as on its own machine.
 """
 
+import json
 import signal
 from pathlib import Path
 
@@ -74,6 +75,11 @@ def test_sigterm_mid_round_leaves_at_once_and_the_same_command_rejoins(
     left = b.with_suffix(".log").read_text()
     assert "SIGTERM received: left the mesh and checkpointed step 40" in left, left[-2000:]
     assert (b / "runs" / "debug" / "ckpt" / "step-0000000040" / "manifest.msgpack").is_file()
+    # its only checkpoint's upload hung, so no try failed: given up at the way out, it is the
+    # run's one checkpoint error, in the summary written after it
+    summary = json.loads((b / "runs" / "debug" / "summary.json").read_text())
+    assert summary["ckpt_errors"] == 1, summary
+    assert "1 checkpoint errors" in left, left[-2000:]
     assert "left gracefully" in (tmp_path / "coordinator.log").read_text(), log_tails(tmp_path)
 
     # the survivor commits alone at its next boundary, long before a heartbeat timeout

@@ -12,7 +12,7 @@ import torch
 
 from prime_ckpt import CheckpointManager, CheckpointWarning, committed_steps
 from prime_ckpt.remote import RemoteStore
-from prime_testkit import CREDENTIALS, MotoS3, wait_until
+from prime_testkit import CREDENTIALS, DeadS3, MotoS3, wait_until
 
 
 def s3_options(server: MotoS3) -> dict:
@@ -269,6 +269,22 @@ def test_a_failing_remote_is_counted_at_once_close_is_bounded_and_the_next_start
         assert again.wait_remote(120)
         assert RemoteStore(url, options).steps() == [1]
         assert again.errors == 0
+
+
+def test_an_upload_still_hung_at_close_is_a_failure(tmp_path):
+    """A remote that accepts connections and never answers fails no try: the upload that
+    close() gives up on is the failure the run reports (counted, listed, one ERROR line)."""
+    with DeadS3("hung") as dead:
+        mgr = CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm", remote="s3://b/run",
+                                remote_options=s3_options(dead))  # fmt: skip
+        mgr.save(1, st(1)).wait(60)
+        assert mgr.errors == 0 and not mgr.wait_remote(1.0)  # hung, not failed
+        mgr.close(remote_timeout=1.0)
+        assert committed_steps(tmp_path / "disk") == [1]
+        assert mgr.errors == 1
+        (failure,) = mgr.failures()
+        assert (failure.step, failure.tier) == (1, "remote"), failure
+        assert "did not finish within 1 s on the way out" in failure.message, failure
 
 
 FAILING_UPLOADS = """

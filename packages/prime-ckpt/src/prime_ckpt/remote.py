@@ -246,18 +246,24 @@ class Uploader:
     def close(self, timeout: float | None = None) -> None:
         """Wait for the upload in flight (at most `timeout` s in all, None: until done) and
         stop; an upload still hung past it is left to its daemon thread (the next start
-        uploads that step again)."""
+        uploads that step again) and, unless a try of it failed already, is a failure
+        (`on_failure`): the run ends without its newest step in the remote store."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.wait(timeout):
             with self._cond:
                 step = self._busy if self._busy is not None else self._pending
-            log.warning(
-                "prime-ckpt: the upload of step %s to %s did not finish within %.0f s on the "
-                "way out; the step is on disk and the next start uploads it",
-                step,
-                self.store.url,
-                timeout,
+                first = step is not None and step not in self._told
+                if first:
+                    self._told.add(step)
+            msg = (
+                f"the upload of step {step} to {self.store.url} did not finish within "
+                f"{timeout:.0f} s on the way out; the step is on disk and the next start "
+                "uploads it"
             )
+            if first:  # (a remote that hangs fails no try: this is its one failure)
+                self.on_failure(step, msg)
+            else:  # counted at its first failed try already
+                log.warning("prime-ckpt: %s", msg)
         with self._cond:
             self._stop = True
             self._cond.notify_all()

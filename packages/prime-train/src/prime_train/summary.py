@@ -44,7 +44,7 @@ class Summary:
     resumed_from: int | None = None
     diloco: dict | None = None  # outer steps, bytes communicated and settings (multi-node)
     peak_gpu_memory_bytes: int | None = None  # this rank's peak CUDA allocation (None: CPU)
-    ckpt_errors: int = 0  # checkpoint saves and uploads that failed (an upload: at its first try)
+    ckpt_errors: int = 0  # saves and uploads that failed (an upload: its first try, or the way out)
 
 
 def finish(run: Run, outer: OuterStep | None, end: LoopEnd) -> Summary:

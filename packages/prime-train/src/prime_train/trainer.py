@@ -267,6 +267,7 @@ def train_loop(run: Run, outer: OuterStep | None) -> Summary:
         run.ckpt.leave_by(stop.received_at + cfg.train.stop_within_s + 10.0)
     if step >= total and run.placement.membership is not None:
         run.placement.membership.completed = True  # said when it leaves: later nodes are told
+    run.ckpt.close()  # the final upload (bounded) before the summary, which counts its failure
     end = LoopEnd(
         step=step,
         start=start,
