@@ -1,14 +1,16 @@
 """A node of several ranks leaves a bad pseudo-gradient out as one: each rank checks its own
-shard, and one rank's NaN leaves every rank of the node out of the round. Left to each rank,
+shard, and one rank's NaN leaves every rank of the node out of the round (synchronous and
+`overlap = "delayed"`, whose background round must not use the node's group). Left to each rank,
 the node's other ranks would count their reads in their own groups, so the node's ranks would
 commit different data positions."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from prime_testkit import WorldMesh, gloo_world
 from prime_train.config import DilocoConfig
-from prime_train.diloco import Diloco
+from prime_train.diloco import make_outer_step
 
 
 class ShardMesh(WorldMesh):
@@ -21,7 +23,7 @@ class ShardMesh(WorldMesh):
         self.node_id = f"node-{node}"
 
 
-def _two_ranks_a_node_worker(rank, world, port, q):
+def _two_ranks_a_node_worker(rank, world, port, overlap, q):
     """Ranks 0, 1: node 0; ranks 2, 3: node 1. Rank 1's shard of node 0's pseudo-gradient is
     NaN; every rank reports its outer step's contributors and its shard's outer weights."""
     torch.set_num_threads(1)
@@ -31,10 +33,10 @@ def _two_ranks_a_node_worker(rank, world, port, q):
         shards = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         node, local = divmod(rank, 2)
         weights = torch.nn.Parameter(torch.full((4,), 1.0))
-        outer = Diloco(DilocoConfig(inner_steps=2, compression="none", outer_lr=1.0,
-                                    outer_momentum=0.0),
-                       ShardMesh(shards[local], node), [weights],
-                       node_group=nodes[node])  # fmt: skip
+        cfg = DilocoConfig(inner_steps=2, compression="none", outer_lr=1.0, outer_momentum=0.0,
+                           overlap=overlap)  # fmt: skip
+        outer = make_outer_step(cfg, ShardMesh(shards[local], node), [weights],
+                                node_group=nodes[node])  # fmt: skip
         with torch.no_grad():  # the round's inner steps: node 0 moved by 1, node 1 by 3
             weights.sub_(float("nan") if rank == 1 else 1.0 + 2.0 * node)
         outer.start(2)
@@ -44,7 +46,8 @@ def _two_ranks_a_node_worker(rank, world, port, q):
         dist.destroy_process_group()
 
 
-def test_one_ranks_nan_leaves_its_whole_node_out_of_the_round(children):
-    got = children.ranks(_two_ranks_a_node_worker, 4)
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_one_ranks_nan_leaves_its_whole_node_out_of_the_round(children, overlap):
+    got = children.ranks(_two_ranks_a_node_worker, 4, overlap)
     # node 1 alone contributed, on every shard: the outer weights moved by its 3
     assert got == {r: (1, [-2.0] * 4) for r in range(4)}, got

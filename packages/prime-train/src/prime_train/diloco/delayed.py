@@ -58,7 +58,7 @@ import prime_comm
 from prime_mesh import ElasticDeviceMesh, MeshTimeout
 from prime_train import faults
 from prime_train.diloco.average import Averaged
-from prime_train.diloco.contribution import outlier, stated_norm
+from prime_train.diloco.contribution import every_rank, outlier, stated_norm
 from prime_train.diloco.listen import settle_late, sync_part
 from prime_train.diloco.outer_step import Diloco
 from prime_train.diloco.round_log import join_cost, members_before, round_counts
@@ -144,9 +144,11 @@ class DelayedDiloco(Diloco):
         norm2 = None
         if contributing:
             norm2 = stated_norm(part.pseudo_gradient, self.outer_steps + 1, self.log)
-            if norm2 is None:  # bad numbers: left out, not fatal; its model restarts from
-                contributing = False  # the outer weights (θ + (O'' - X) is then O'')
-                part.load_into_model()
+        # one bad shard leaves the node out, decided here on the main thread: the background
+        # thread must not use the node's group while the inner steps use it
+        if contributing and not every_rank(norm2 is not None, self.node_group):
+            contributing, norm2 = False, None  # bad numbers: left out, not fatal; its model
+            part.load_into_model()  # restarts from the outer weights (θ + (O'' - X) is O'')
         if not contributing:
             part.pseudo_gradient.zero_()
         part.copy_model_into(self.round_start)  # X = θ (that fragment's range of the buffer)
