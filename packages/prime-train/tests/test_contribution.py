@@ -11,6 +11,7 @@ import torch.distributed as dist
 from prime_testkit import WorldMesh, gloo_world
 from prime_train.config import DilocoConfig
 from prime_train.diloco import make_outer_step
+from prime_train.seam import ElasticOuterStep
 
 
 class ShardMesh(WorldMesh):
@@ -41,7 +42,9 @@ def _two_ranks_a_node_worker(rank, world, port, overlap, q):
             weights.sub_(float("nan") if rank == 1 else 1.0 + 2.0 * node)
         outer.start(2)
         report = outer.finish()
-        q.put((rank, (report.contributors, weights.detach().tolist())))
+        # (both kinds are the seam joining goes through: else train() would not join)
+        q.put((rank, (report.contributors, weights.detach().tolist(),
+                      isinstance(outer, ElasticOuterStep))))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -50,4 +53,4 @@ def _two_ranks_a_node_worker(rank, world, port, overlap, q):
 def test_one_ranks_nan_leaves_its_whole_node_out_of_the_round(children, overlap):
     got = children.ranks(_two_ranks_a_node_worker, 4, overlap)
     # node 1 alone contributed, on every shard: the outer weights moved by its 3
-    assert got == {r: (1, [-2.0] * 4) for r in range(4)}, got
+    assert got == {r: (1, [-2.0] * 4, True) for r in range(4)}, got

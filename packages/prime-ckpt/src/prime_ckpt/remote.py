@@ -390,12 +390,9 @@ def remote_listing(
         except Exception as e:
             out.append(CheckpointInfo(s, "remote", None, 0, "corrupt", False, str(e)))
     if uploader is not None:
+        newer = "a newer step was uploaded instead"
         for s in sorted(uploader.skipped):
-            out.append(
-                CheckpointInfo(
-                    s, "remote", None, 0, "skipped", None, "a newer step was uploaded instead"
-                )
-            )
+            out.append(CheckpointInfo(s, "remote", None, 0, "skipped", None, newer))
         for s, msg in dict(uploader.failed).items():
             out.append(CheckpointInfo(s, "remote", None, 0, "failed", False, msg))
     return out

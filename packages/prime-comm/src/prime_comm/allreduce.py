@@ -188,7 +188,7 @@ def _resolve_group(group: object) -> dist.ProcessGroup:
                 "all_reduce needs a process group: call torch.distributed.init_process_group "
                 "first or pass group="
             )
-        return dist.distributed_c10d._get_default_group()
+        return dist.group.WORLD  # (the default group, once initialized)
     if not isinstance(group, dist.ProcessGroup | _C10dBackend):
         raise TypeError(
             "group must be a torch.distributed ProcessGroup (or a gloo backend such as "
