@@ -98,3 +98,48 @@ def test_killed_node_is_dropped_and_survivors_average_over_themselves(children):
         assert {row[2] for row in rows} == {alive}, f"round {r}: world sizes {rows}"
         assert len({row[4] for row in rows}) == 1, f"round {r}: outer weights differ across nodes"
         torch.testing.assert_close(torch.from_numpy(rows[0][5]), want[r], rtol=1e-5, atol=1e-6)
+
+
+def _fresh_node(k, address, q):
+    """A founder of a fresh run whose starting weights are node 2's own (another seed)."""
+    torch.set_num_threads(1)
+    os.environ["PRIME_TOKEN"] = TOKEN
+    from prime_mesh import ElasticDeviceMesh, MeshEvicted
+    from prime_train.config import DilocoConfig
+    from prime_train.diloco import Diloco
+
+    mesh = ElasticDeviceMesh(
+        address, host="127.0.0.1", heartbeat_interval=0.5, heartbeat_timeout=3.0
+    )
+    torch.manual_seed(7 if k == 2 else 0)
+    model = torch.nn.Linear(32, 16)
+    diloco = Diloco(DilocoConfig(compression="none"), mesh, list(model.parameters()))
+    try:
+        assert diloco.agree_resume_step([]) is None  # no checkpoint anywhere: a fresh run
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.add_(perturbation(p.shape, 0, 10 * k + i))
+        diloco.start(0)
+        report = diloco.finish()
+        q.put((k, "committed", report.nodes, report.outer_sha256))
+    except MeshEvicted as e:
+        q.put((k, "evicted", 0, str(e)))
+    finally:
+        mesh.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_founder_starting_from_other_weights_is_told_at_the_first_vote(children):
+    """Before any outer step, the founders' starting weights are compared at the first vote
+    as every later step's are: the odd one is evicted (to join with the members' state)."""
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=NODES).start()
+    try:
+        q = children.queue()
+        for k in range(NODES):
+            children.process(_fresh_node, k, coord.address, q)
+        got = {g[0]: g[1:] for g in (q.get(timeout=180) for _ in range(NODES))}
+    finally:
+        coord.close()
+    assert got[2][0] == "evicted", got
+    assert [got[k][:2] for k in (0, 1)] == [("committed", 2)] * 2, got
+    assert got[0][2] == got[1][2], got

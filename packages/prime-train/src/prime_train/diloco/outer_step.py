@@ -346,9 +346,12 @@ class Diloco(JoinSide):
         node holds any): agreed inside the node first, then across nodes, each in one
         all-gather. LacksNewestStep on a node that does not hold it (it joins the run the
         holders form); see `diloco/resume_agreement.py`."""
-        return agree_resume_step(
+        step = agree_resume_step(
             local_steps, self.node_group, self.mesh.global_pg, self.mesh.global_world_size
         )
+        if step is None:  # a fresh run: its first vote compares the starting weights too
+            self.mesh.note_outer_step(0, self.rounds.node_digest())
+        return step
 
     # -- membership -------------------------------------------------------------------------
 
