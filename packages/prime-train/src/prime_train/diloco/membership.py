@@ -30,9 +30,9 @@ class Membership:
     """An `ElasticDeviceMesh` joined with this node's metadata, plus its checkpoint server.
 
     `joining` is True for a node that found live members when it started (a node joining a
-    running job, or one restarted after it died): it registers *waiting* and must fetch the
-    members' state (`prime_train.diloco.join`) before it says `mesh.ready()`. `members_seen`
-    is how many members it saw then."""
+    running job, or one restarted after it died): it registers *waiting*, says `mesh.ready()`
+    at once and listens while the members' state comes (`prime_train.diloco.join`).
+    `members_seen` is how many members it saw then."""
 
     def __init__(
         self,
