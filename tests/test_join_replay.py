@@ -21,6 +21,7 @@ from prime_netbed import WanBed, bed_unavailable_reason
 
 from prime_mesh import Coordinator
 from prime_testkit import (
+    check_same_outer,
     folder_metrics,
     log_tails,
     outer_by_step,
@@ -42,19 +43,6 @@ COORD = 3  # the bed's last namespace holds the coordinator
 BED_HEARTBEATS = {"PRIME_MESH__HEARTBEAT_TIMEOUT_S": "10"}
 
 
-def first_outer_matches(tmp_path: Path, joiner: Path, members: list[Path]) -> int:
-    """The joiner's outer steps all have the members' hash; returns its first."""
-    mine = outer_by_step(folder_metrics(joiner))
-    assert mine, log_tails(tmp_path)
-    for m in members:
-        theirs = outer_by_step(folder_metrics(m))
-        shared = [k for k in mine if k in theirs]  # (stopped by SIGTERM, one may go a step on)
-        assert len(shared) >= 2, log_tails(tmp_path)
-        for k in shared:
-            assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (k, log_tails(tmp_path))
-    return min(mine)
-
-
 def check_the_join(tmp_path: Path) -> dict:
     """What every join must show: one join, entered with the members' hashes at every outer
     step, at the members' step; returns the joiner's `joined` row."""
@@ -63,7 +51,8 @@ def check_the_join(tmp_path: Path) -> dict:
     assert len(joined) == 1, log_tails(tmp_path)
     row = joined[0]
     assert row["fetch_bytes"] > 0, row
-    first = first_outer_matches(tmp_path, n2, [n0, n1])
+    first = min(check_same_outer(n2, [n0, n1], at_least=2))  # its outer steps: the members'
+
     outer0 = outer_by_step(folder_metrics(n0))
     assert outer0[first]["nodes"] == 3 and outer0[first]["contributors"] == 2, outer0[first]
     assert any(r["contributors"] == 3 for k, r in outer0.items() if k > first), outer0

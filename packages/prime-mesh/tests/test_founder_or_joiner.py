@@ -6,16 +6,10 @@ import pytest
 
 from prime_mesh.membership import Membership
 from prime_mesh.reform import Completed
-from prime_testkit import FakeConn, register
+from prime_testkit import FakeConn, register, sync_all
 
 # this file's nodes register with ready="auto" and config hash "h1", of two ranks by default
 _register = partial(register, lws=2, ready="auto", cfg="h1")
-
-
-def sync_all(m: Membership, nodes, conn) -> None:
-    for node in nodes:
-        for lr in (0, 1):
-            m.sync(node, lr, conn, 1, {"epoch": m.epoch, "admit": True})
 
 
 def test_auto_nodes_found_the_run_until_it_has_members_then_wait_as_joiners():
@@ -30,11 +24,11 @@ def test_auto_nodes_found_the_run_until_it_has_members_then_wait_as_joiners():
     c1, _ = _register(m, "c", lr=1, lws=2)
     c0, _ = _register(m, "c", lr=0, lws=2)
     assert c0 is c1 and c0.joining and not c0.ready
-    sync_all(m, [a, b], ca)
+    sync_all(m, [(a, ca), (b, ca)], local_ranks=(0, 1))
     assert m.epoch == 1  # waiting: never admitted before it says ready
     m.ready(c0, 0)
     m.ready(c0, 1)
-    sync_all(m, [a, b], cb)
+    sync_all(m, [(a, cb), (b, cb)], local_ranks=(0, 1))
     assert m.epoch == 2 and "c" in m.members
 
 

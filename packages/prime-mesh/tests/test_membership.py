@@ -1,17 +1,12 @@
 """The coordinator's state machine alone (no sockets): registering, waiting, joining, member."""
 
 from prime_mesh.membership import Membership
-from prime_testkit import FakeClock, register
+from prime_testkit import FakeClock, register, sync_all
 
 
 def states_by_key(m: Membership) -> dict[str, str]:
     """Each node's state by the key it registered with (`register`'s metadata)."""
     return {n["metadata"]["k"]: n["state"] for n in m.status()["nodes"]}
-
-
-def _sync_all(m: Membership, nodes) -> None:
-    for node, conn in nodes:
-        m.sync(node, 0, conn, 1, {"epoch": m.epoch, "admit": True})
 
 
 def test_waiting_nodes_neither_form_nor_join_until_ready():
@@ -28,7 +23,7 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
 
     # a waiting node is visible (with its metadata) but sync points do not admit it
     c, cc = register(m, "c", ready=False)
-    _sync_all(m, [(a, ca), (b, cb)])
+    sync_all(m, [(a, ca), (b, cb)])
     assert m.epoch == 1 and states_by_key(m)["c"] == "waiting"
     assert next(n for n in m.status()["nodes"] if n["node_id"] == c.node_id)["metadata"] == {
         "k": "c"
@@ -36,7 +31,7 @@ def test_waiting_nodes_neither_form_nor_join_until_ready():
     m.ready(c, 0)
     m.ready(c, 0)  # twice is harmless
     assert m.epoch == 1 and states_by_key(m)["c"] == "joining"  # only at the next sync point
-    _sync_all(m, [(a, ca), (b, cb)])
+    sync_all(m, [(a, ca), (b, cb)])
     assert m.epoch == 2 and m.epoch_info()["members"][-1] == c.node_id
     assert m.epoch_info()["joined"] == [c.node_id]  # its first sync point is this one
     assert [msg for msg in cc.sent if msg.get("type") == "epoch"][-1]["epoch"]["epoch"] == 2
@@ -48,7 +43,7 @@ def test_a_node_that_never_opts_in_is_admitted_as_before():
     assert m.epoch == 1
     register(m, "b", ready=True)
     assert states_by_key(m)["b"] == "joining"
-    _sync_all(m, [(a, ca)])
+    sync_all(m, [(a, ca)])
     assert m.epoch == 2 and states_by_key(m) == {"a": "member", "b": "member"}
 
 
@@ -87,7 +82,7 @@ def test_a_waiting_node_that_dies_changes_no_epoch():
     assert states_by_key(m) == {"a": "member"} and m.epoch == 1
     assert cw.closed and ck.closed
     assert not [msg for msg in ca.sent if msg.get("type") == "epoch" and msg["epoch"]["epoch"] > 1]
-    _sync_all(m, [(a, ca)])  # the member's sync point goes through unchanged
+    sync_all(m, [(a, ca)])  # the member's sync point goes through unchanged
     assert ca.sent[-1]["epoch"]["epoch"] == 1 and m.epoch == 1
 
 
@@ -117,7 +112,7 @@ def test_a_listeners_ballot_is_not_waited_for():
     m = Membership(min_nodes=2)
     (a, ca), (b, cb) = register(m, "a"), register(m, "b")
     c, cc = register(m, "c")
-    _sync_all(m, [(a, ca), (b, cb)])  # admits "c"
+    sync_all(m, [(a, ca), (b, cb)])  # admits "c"
     assert m.epoch == 2
     for node, conn, listening in ((a, ca, False), (b, cb, False), (c, cc, True)):
         m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "listening": listening})
@@ -199,7 +194,7 @@ def test_a_member_with_other_outer_weights_is_told_and_evicted():
     vote is False so the others retry without the odd one, which is evicted, told why."""
     m = Membership(min_nodes=3)
     nodes = [register(m, k) for k in "abc"]
-    _sync_all(m, nodes)
+    sync_all(m, nodes)
     epoch = m.epoch
     for (node, conn), digest in zip(nodes, ["h1", "h1", "h2"], strict=True):
         m.vote(node, 0, conn, 3, {"epoch": epoch, "seq": 0, "ok": True, "outer": [4, digest]})
@@ -220,7 +215,7 @@ def test_a_contributor_with_another_outer_step_count_is_evicted_as_one_with_othe
     weights equal by chance or not yet changed): the count is part of the state compared."""
     m = Membership(min_nodes=3)
     nodes = [register(m, k) for k in "abc"]
-    _sync_all(m, nodes)
+    sync_all(m, nodes)
     epoch = m.epoch
     for (node, conn), count in zip(nodes, [4, 4, 5], strict=True):
         m.vote(node, 0, conn, 3, {"epoch": epoch, "seq": 0, "ok": True, "outer": [count, "h1"]})
@@ -235,7 +230,7 @@ def test_a_ballot_without_outer_state_is_not_compared():
     votes without its outer state: the others' agreement alone decides."""
     m = Membership(min_nodes=3)
     nodes = [register(m, k) for k in "abc"]
-    _sync_all(m, nodes)
+    sync_all(m, nodes)
     for (node, conn), outer in zip(nodes, [[4, "h1"], [4, "h1"], None], strict=True):
         msg = {"epoch": m.epoch, "seq": 0, "ok": True, **({"outer": outer} if outer else {})}
         m.vote(node, 0, conn, 3, msg)
@@ -249,14 +244,14 @@ def test_a_sync_point_tells_the_node_whose_norm_is_far_outside_the_others():
     and a sync point without norms tells nobody."""
     m = Membership(min_nodes=3)
     nodes = [register(m, k) for k in "abc"]
-    _sync_all(m, nodes)
+    sync_all(m, nodes)
     for (node, conn), n2 in zip(nodes, (1.0, 1.44, 900.0), strict=True):
         m.sync(node, 0, conn, 2, {"epoch": m.epoch, "admit": True, "norm2": n2,
                                   "norm_bound": 10.0})  # fmt: skip
     replies = [conn.replies(2)[0] for _, conn in nodes]
     assert "outlier" not in replies[0] and "outlier" not in replies[1], replies
     assert "L2 norm 30 is more than 10 x the median" in replies[2]["outlier"], replies[2]
-    _sync_all(m, nodes)  # (request id 1 again: the next sync point, no norms stated)
+    sync_all(m, nodes)  # (request id 1 again: the next sync point, no norms stated)
     assert all("outlier" not in conn.replies(1)[-1] for _, conn in nodes)
 
 

@@ -17,13 +17,14 @@ than one test file uses lives here, once, one module per concern.
   `token_cache` fixture is the token cache of a module's runs.
 - runs: what a run leaves behind. `node_metrics` (node k's rows in a shared runs folder),
   `folder_metrics` (a node in its own folder), `outer_rows` / `outer_by_step` /
-  `outer_hashes` (its outer steps), `losses` (node 0's train and held-out losses),
+  `outer_hashes` (its outer steps), `check_same_outer` (a node has the members' hashes),
+  `losses` (node 0's train and held-out losses),
   `trace` (what a resumed run must reproduce: by default the `TRACED` values),
   `log_tails` (every log of a test's folder, for a failing assertion).
 - fixed_data: `pseudo_random`, floats that are the same on every machine (pinned digests);
   `IndexDataset`, sequences that are their own index.
 - mesh: prime-mesh's coordinator from a test: `node_states`, `node_ids`, `mesh_round` (one
-  step of its mesh node processes), `form` / `register` and `FakeConn` (with `replies`) /
+  step of its mesh node processes), `form` / `register` / `sync_all` and `FakeConn` (with `replies`) /
   `FakeClock` that drive its Membership state machine without sockets. The prime-mesh tests'
   conftest.py has the `coordinator` fixture (the module's TOKEN and MIN_NODES).
 - ckpt: `make_checkpoint`, a committed prime-ckpt step folder written by hand;
@@ -75,10 +76,12 @@ from prime_testkit.mesh import (
     node_ids,
     node_states,
     register,
+    sync_all,
 )
 from prime_testkit.nodes import Nodes
 from prime_testkit.runs import (
     TRACED,
+    check_same_outer,
     folder_metrics,
     log_tails,
     losses,
@@ -144,12 +147,14 @@ __all__ = [
     "mesh_round",
     "node_ids",
     "register",
+    "sync_all",
     "small_disk_at",
     "rss_anon_kib",
     "small_state",
     "node_metrics",
     "node_states",
     "outer_by_step",
+    "check_same_outer",
     "outer_hashes",
     "outer_rows",
     "run_local_nodes",

@@ -93,6 +93,14 @@ def register(
     return membership.register(conn, msg), conn
 
 
+def sync_all(membership: Any, nodes: list[tuple[Any, Any]], local_ranks: tuple = (0,)) -> None:
+    """Every rank in `local_ranks` of each `(node, conn)` reaches the sync point of the
+    current epoch, admitting the nodes waiting."""
+    for node, conn in nodes:
+        for lr in local_ranks:
+            membership.sync(node, lr, conn, 1, {"epoch": membership.epoch, "admit": True})
+
+
 class FakeClock:
     """A clock that stands still until the test moves `now`."""
 

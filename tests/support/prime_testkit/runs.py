@@ -57,6 +57,25 @@ def outer_hashes(rows: Iterable[dict]) -> dict[int, str]:
     return {k: r["outer_sha256"] for k, r in outer_by_step(rows).items()}
 
 
+def check_same_outer(node: Path, members: Sequence[Path], at_least: int = 1) -> dict[int, dict]:
+    """Assert that the node working in folder `node` has each member's outer hash at every
+    outer step both wrote (a node stopped by SIGTERM may go a step on), at least `at_least`
+    such steps per member; returns the node's outer rows by outer step."""
+    mine = outer_by_step(folder_metrics(node))
+    context = node.parent
+    assert mine, log_tails(context)
+    for member in members:
+        theirs = outer_by_step(folder_metrics(member))
+        shared = [k for k in mine if k in theirs]
+        assert len(shared) >= at_least, (member.name, shared, log_tails(context))
+        for k in shared:
+            assert mine[k]["outer_sha256"] == theirs[k]["outer_sha256"], (
+                f"outer step {k}: {node.name} and {member.name} differ",
+                log_tails(context),
+            )
+    return mine
+
+
 def trace(
     rows: Iterable[dict],
     keep: Sequence[str] = TRACED,
