@@ -144,9 +144,10 @@ class DelayedDiloco(Diloco):
         norm2 = None
         if contributing:
             norm2 = stated_norm(part.pseudo_gradient, self.outer_steps + 1, self.log)
-        # one bad shard leaves the node out, decided here on the main thread: the background
-        # thread must not use the node's group while the inner steps use it
-        if contributing and not every_rank(norm2 is not None, self.node_group):
+        # one bad shard leaves the node out, decided by every rank here on the main thread:
+        # the background thread must not use the node's group while the inner steps use it
+        every_rank_ok = every_rank(norm2 is not None, self.node_group)
+        if contributing and not every_rank_ok:
             contributing, norm2 = False, None  # bad numbers: left out, not fatal; its model
             part.load_into_model()  # restarts from the outer weights (θ + (O'' - X) is O'')
         if not contributing:
