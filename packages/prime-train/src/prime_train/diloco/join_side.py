@@ -30,6 +30,7 @@ class JoinSide:
     totals: dict[str, Any]
     rounds: RoundLog
     listener: Listener | None
+    period: int  # inner steps between two syncs
 
     @property
     def part(self) -> OuterOptimizer:

@@ -69,8 +69,8 @@ from prime_train.rundir import RunDirError
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
     from prime_train.diloco.join import Joining
+    from prime_train.diloco.join_side import JoinSide
     from prime_train.diloco.outer_optimizer import OuterOptimizer
-    from prime_train.diloco.outer_step import Diloco
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
 
@@ -311,7 +311,7 @@ def _kept_aside(average: torch.Tensor, got: Averaged) -> Iterator[None]:
 # its first round how many outer steps the members are ahead: `behind`)
 
 
-def sync_count(outer: Diloco) -> int:
+def sync_count(outer: JoinSide) -> int:
     """The committed count this node's next sync states and takes its fragment from: a
     listener's is the members' (it will have applied their rounds when it enters)."""
     listener = outer.listener
@@ -320,12 +320,12 @@ def sync_count(outer: Diloco) -> int:
     return outer.outer_steps
 
 
-def sync_part(outer: Diloco) -> OuterOptimizer:
+def sync_part(outer: JoinSide) -> OuterOptimizer:
     """The outer optimizer of the fragment this node's next sync averages (`sync_count`)."""
     return outer.fragments.part(sync_count(outer))
 
 
-def settle_late(outer: Diloco, got: Averaged, step: int, contributing: bool = True) -> int | None:
+def settle_late(outer: JoinSide, got: Averaged, step: int, contributing: bool = True) -> int | None:
     """A committed round `got` ending at inner step `step`: the inner step of the members'
     round, for the round to apply as theirs does (its buffer holding the average); None: a
     round a listener only kept. JoinedLate when it cannot catch up, when the header says
@@ -351,7 +351,7 @@ def settle_late(outer: Diloco, got: Averaged, step: int, contributing: bool = Tr
     return step
 
 
-def check_holds_agreed(outer: Diloco) -> None:
+def check_holds_agreed(outer: JoinSide) -> None:
     """JoinedLate unless this node, which did not contribute to the round just committed (a
     listener that has caught up, a member left out of it), holds the outer state the
     contributors voted with (`mesh.agreed_outer`): its weights are compared only when it
