@@ -111,12 +111,13 @@ def test_sigterm_during_a_background_round_checkpoints_and_resumes_exactly(
         prefix = runs.parent / runs.name
 
         def round_held() -> bool:
-            """Node 0 holds the round and has passed the boundary's own stop check (its
-            evaluation there follows the check): a SIGTERM now is one mid-round."""
-            log = Path(f"{prefix}-0.log")
-            return holding(log, stop_while_holding) and (
+            """Both nodes hold the round and have passed the boundary's own stop check (its
+            evaluation there follows the check): a SIGTERM now is one mid-round on each (a
+            node still before that boundary, under load, would stop there instead)."""
+            logs = [Path(f"{prefix}-{k}.log") for k in range(2)]
+            return all(holding(log, stop_while_holding) and (
                 f"step {stop_while_holding}/60 | held-out loss" in log.read_text()
-            )
+            ) for log in logs)  # fmt: skip
 
         return run_local_nodes(children, token=TOKEN, args=debug_args(runs, token_cache, *SHORT),
                                logs=[Path(f"{prefix}-{k}.log") for k in range(2)],
