@@ -1,13 +1,16 @@
-"""A joiner waiting for its admission whose connection to the coordinator ends: the wait
-ends with the loss (the join path then registers again), it does not ask on until the mesh's
-join_timeout. Churn seed 27: a joiner SIGSTOPped past the heartbeat timeout while it waited
-found its connection ended as CoordinatorLost on SIGCONT and waited on for good."""
+"""A joiner waiting for its admission stops waiting when it can never come, rather than ask on
+until the mesh's join_timeout (1800 s): its connection to the coordinator ended (the join
+path then registers again; churn seed 27: a joiner SIGSTOPped past the heartbeat timeout
+while it waited found its connection ended as CoordinatorLost on SIGCONT and waited on for
+good), or the run's members finished it and left (exit 0; in CI a joiner whose snapshot had
+come waited so after its only member completed the run)."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from prime_mesh import Coordinator, CoordinatorLost, ElasticDeviceMesh
+from prime_mesh import Coordinator, CoordinatorLost, ElasticDeviceMesh, RunCompleted
+from prime_train.diloco import Membership
 from prime_train.diloco.join import wait_admitted
 
 TOKEN = "join-wait-test-token"
@@ -32,4 +35,34 @@ def test_a_joiner_whose_connection_ends_while_it_waits_for_admission_stops_waiti
     finally:
         coord.close()
         if mesh is not None:
+            mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_whose_run_completes_before_admitting_it_stops_waiting():
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=1).start()
+    meshes = []
+    try:
+        meta = {"config_hash": "h1"}
+        member = ElasticDeviceMesh(coord.address, token=TOKEN, metadata=meta,
+                                   heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
+        meshes.append(member)
+        joiner = ElasticDeviceMesh(coord.address, token=TOKEN, metadata=meta, wait=False,
+                                   wait_until_ready="auto", heartbeat_interval=0.2,
+                                   heartbeat_timeout=1.0)  # fmt: skip
+        meshes.append(joiner)
+        joiner.ready()  # said at once; admitted at the member's next sync point, which never
+        member.close(completed=True)  # comes: the member finished the run and left
+        run = SimpleNamespace(
+            primary=True,
+            placement=SimpleNamespace(  # a node of one rank: rank 0 decides alone
+                membership=Membership(joiner, None, joining=True),
+                from_rank0=lambda decide: decide(),
+            ),
+        )
+        with pytest.raises(RunCompleted, match="completed while this node waited to join"):
+            wait_admitted(run, SimpleNamespace(snapshot=None))  # (its snapshot came, say)
+    finally:
+        coord.close()
+        for mesh in meshes:
             mesh.close()

@@ -189,14 +189,22 @@ def _fetch_from_members(
 MEMBERS_GONE_S = 30.0  # no member for this long: the joiner stops
 
 
+def completed_meanwhile(membership: Membership) -> RunCompleted | None:
+    """RunCompleted (exit 0) when the coordinator says the run's members finished it while
+    this node waited to join; None otherwise."""
+    if not membership.run_completed():
+        return None
+    return RunCompleted(
+        "the run completed while this node waited to join (its members finished every step)"
+    )
+
+
 def members_left(membership: Membership, since: float) -> Exception | None:
     """No member serves since `since`: RunCompleted when the coordinator says the run is
     complete (exit 0), JoinFailed once that lasted `MEMBERS_GONE_S` (a brief gap is a
     coordinator re-forming the run); None: wait on."""
-    if membership.run_completed():
-        return RunCompleted(
-            "the run completed while this node waited to join (its members finished every step)"
-        )
+    if (completed := completed_meanwhile(membership)) is not None:
+        return completed
     if time.monotonic() - since > MEMBERS_GONE_S:
         return JoinFailed(
             f"the running job's members left (finished or died) and none came back within "

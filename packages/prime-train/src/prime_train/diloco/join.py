@@ -41,7 +41,13 @@ from prime_mesh import (
     RunCompleted,
 )
 from prime_train import faults
-from prime_train.diloco.fetch import JOIN_TIMEOUT_S, Background, JoinFailed, hold_logs
+from prime_train.diloco.fetch import (
+    JOIN_TIMEOUT_S,
+    Background,
+    JoinFailed,
+    completed_meanwhile,
+    hold_logs,
+)
 from prime_train.diloco.listen import JoinedLate, Listener
 from prime_train.diloco.membership import Membership
 from prime_train.diloco.resume_agreement import LacksNewestStep
@@ -304,11 +310,12 @@ def _entered(run: Run, joining: Joining, report: OuterStepReport) -> None:
 
 def wait_admitted(run: Run, joining: Joining) -> None:
     """Until the coordinator lists this node as a member (the members' next sync point), or
-    the snapshot's fetch finds the members gone: `RunCompleted` (exit 0) when they finished
-    the run, else `JoinFailed`; `MeshTimeout` past the mesh's `join_timeout` (as its own wait
-    for admission); `MeshEvicted` when it was evicted meanwhile, `CoordinatorLost` when its
-    connection ended (a stall past the heartbeat timeout ends it so, often before the
-    eviction's notice is read): decided on local rank 0 for all ranks."""
+    the members are gone: `RunCompleted` (exit 0) when they finished the run (also after its
+    snapshot came), else, from the snapshot's fetch, `JoinFailed`; `MeshTimeout` past the
+    mesh's `join_timeout` (as its own wait for admission); `MeshEvicted` when it was evicted
+    meanwhile, `CoordinatorLost` when its connection ended (a stall past the heartbeat
+    timeout ends it so, often before the eviction's notice is read): decided on local rank 0
+    for all ranks."""
     membership = run.placement.membership
     assert membership is not None
     me = membership.mesh.node_id
@@ -330,8 +337,12 @@ def wait_admitted(run: Run, joining: Joining) -> None:
             return type(e).__name__, str(e)
         except MeshTimeout:  # the coordinator slow to answer: ask again
             return None
-        return ("member", "") if any(m.get("node_id") == me and m.get("state") == "member"
-                                     for m in members) else None  # fmt: skip
+        if any(m.get("node_id") == me and m.get("state") == "member" for m in members):
+            return "member", ""
+        if not any(m.get("state") == "member" for m in members):  # (its snapshot may be in)
+            done = completed_meanwhile(membership)
+            return ("RunCompleted", str(done)) if done is not None else None
+        return None
 
     while (got := run.placement.from_rank0(ask)) is None:
         time.sleep(0.2)
