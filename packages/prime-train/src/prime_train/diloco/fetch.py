@@ -49,7 +49,7 @@ from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_train.config import Config
-    from prime_train.diloco.join import Joining
+    from prime_train.diloco.join_state import Joining
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
 
@@ -288,7 +288,10 @@ TIMEOUT_S = 20.0  # every connect and read of a listing or entry
 def hold_logs(membership: Membership) -> SideFileHold:
     """A hold, started, on every donor's update-log entries (from the first on, until
     `hold_from(entry_name(outer_step, 0))` moves it on; see the module doc)."""
-    donors = lambda: [url for _, url in membership.donors()]  # noqa: E731
+
+    def donors() -> list[str]:
+        return [url for _, url in membership.donors()]
+
     return SideFileHold(donors, membership.token, entry_name(0, 0), timeout=TIMEOUT_S).__enter__()
 
 

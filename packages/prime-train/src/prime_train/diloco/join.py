@@ -22,15 +22,14 @@ restarted coordinator and a joiner evicted before it was admitted all go through
 
 If it loses its place on the way (evicted, the coordinator restarted, a round it cannot use:
 `JoinedLate`), it stops listening, drops what it kept and goes back to step 1, at most
-`MAX_TRIES` times. What the join did is one `joined` metrics row (`JoinedRow`); what a try
-holds while it runs is a `Joining`.
+`MAX_TRIES` times. What the join did is one `joined` metrics row (`join_state.JoinedRow`);
+what a try holds while it runs is a `join_state.Joining`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prime_mesh import (
     CoordinatorLost,
@@ -48,13 +47,13 @@ from prime_train.diloco.fetch import (
     completed_meanwhile,
     hold_logs,
 )
+from prime_train.diloco.join_state import JoinedRow, Joining
 from prime_train.diloco.listen import JoinedLate, Listener
 from prime_train.diloco.membership import Membership
 from prime_train.diloco.resume_agreement import LacksNewestStep
 from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
-    from prime_ckpt import SideFileHold
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep, OuterStepReport
 
@@ -62,62 +61,6 @@ MAX_TRIES = 10  # tries that lost their place (then joining again) before giving
 FORM_AGAIN_S = 10.0  # a founder holding nothing, among founders holding nothing, waits so long
 LOADED_AT = time.monotonic()  # about when the process started (the trainer imports this early)
 LOST = (MeshEvicted, CoordinatorLost, JoinedLate)  # a try lost its place: join again
-
-
-@dataclass
-class JoinedRow:
-    """The figures of a join, from its first registration to its entry: the members'
-    checkpoint of inner step `fetched_step` it loaded, the logged rounds it replayed on top,
-    the rounds it listened to. Counts add up over a join's tries."""
-
-    rejoined: int | None = None  # the how-manieth rejoin by itself (None: a fresh join)
-    donor: str | None = None  # whose checkpoint (its own state) it loaded
-    fetched_step: int = 0
-    fetch_bytes: int = 0
-    fetch_seconds: float = 0.0
-    fetch_held_seconds: float = 0.0  # of those, held while the rounds' all-reduces ran
-    fetch_commit_seconds: float = 0.0  # of those, the fsync once it was all in
-    snapshot_donors: dict[str, int] = field(default_factory=dict)  # node -> snapshot bytes
-    load_seconds: float = 0.0
-    snapshots: int = 0  # snapshots loaded (a try that lost its place takes a new one)
-    replayed: int = 0  # logged rounds replayed (the backlog: between snapshot and kept rounds)
-    replay_bytes: int = 0
-    replay_seconds: float = 0.0  # fetching and applying them
-    replay_donors: list[str] = field(default_factory=list)
-    late_admissions: int = 0  # tries that lost their place and listened again
-    listened: int = 0  # rounds taken as a member contributing nothing (`diloco/listen.py`)
-    listened_fetching: int = 0  # of the later ones, rounds committed while its backlog came
-    snapshot_rounds: int = 0  # rounds listened before the snapshot was in
-    backlog_seconds: float = 0.0  # fetching the backlog in the background
-
-    def row(self, step: int, startup: float, admitted: float) -> dict[str, Any]:
-        """The metrics row of the entry at inner step `step`; `startup`: seconds from the
-        process's start to the join's; `admitted`: from the join's start to its entry."""
-        figures = asdict(self)
-        rejoined = figures.pop("rejoined")
-        return {
-            "step": step,
-            "joined": True,
-            **figures,
-            "startup_seconds": startup,
-            "admitted_seconds": admitted,
-            **({"rejoined": rejoined} if rejoined else {}),
-        }
-
-
-@dataclass
-class Joining:
-    """One try at joining, live: the figures so far, the inner step of the state it holds,
-    and, on the node's local rank 0, the snapshot's fetch under way (`snapshot`) and the hold
-    on the donors' update logs (`holder`). `waiting`: no snapshot loaded yet (every local
-    rank knows it)."""
-
-    row: JoinedRow
-    started: float = field(default_factory=time.monotonic)  # the join's first try
-    step: int = 0
-    waiting: bool = True
-    snapshot: Background | None = None
-    holder: SideFileHold | None = None
 
 
 def join_running_job(

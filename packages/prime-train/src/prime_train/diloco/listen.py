@@ -68,8 +68,8 @@ from prime_train.rundir import RunDirError
 
 if TYPE_CHECKING:
     from prime_train.diloco.average import Averaged
-    from prime_train.diloco.join import Joining
     from prime_train.diloco.join_side import JoinSide
+    from prime_train.diloco.join_state import Joining
     from prime_train.diloco.outer_optimizer import OuterOptimizer
     from prime_train.run import Run
     from prime_train.seam import ElasticOuterStep
