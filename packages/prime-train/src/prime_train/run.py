@@ -7,6 +7,7 @@ is saved beside the model's and it decides where the nodes resume.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -103,7 +104,7 @@ class Run:
             f"sequences of {cfg.data.seq_len} tokens"
         )
 
-    @property
+    @functools.cached_property
     def log_key(self) -> bytes:
         """The key of this run's update-log entries (`replay_log.entry_key` of its token)."""
         token = self.cfg.mesh.token

@@ -11,26 +11,37 @@ from contextlib import contextmanager
 HOLD_MAX_S = 10.0  # the longest a held fetch waits per read (a donor drops a silent reader)
 
 
-class RateLimit:
-    """A token bucket shared by all connections (keeps a donor's uplink usable for training)."""
+class _Bucket:
+    """`bytes_per_s` shared by every caller: `_reserve(n)` books n bytes, returns the wait."""
 
-    def __init__(self, bytes_per_s: float, closing: threading.Event) -> None:
-        self.rate = float(bytes_per_s)
-        self._closing = closing
+    def __init__(self, bytes_per_s: float | None) -> None:
+        self.rate = bytes_per_s
         self._lock = threading.Lock()
-        self._next = time.monotonic()
+        self._next = time.monotonic()  # when the next read may start
 
-    def take(self, n: int) -> None:
+    def _reserve(self, n: int) -> float:
+        assert self.rate
         with self._lock:
             now = time.monotonic()
             start = max(now, self._next)
             self._next = start + n / self.rate
-            wait = start - now
+        return start - now
+
+
+class RateLimit(_Bucket):
+    """A token bucket shared by all connections (keeps a donor's uplink usable for training)."""
+
+    def __init__(self, bytes_per_s: float, closing: threading.Event) -> None:
+        super().__init__(float(bytes_per_s))
+        self._closing = closing
+
+    def take(self, n: int) -> None:
+        wait = self._reserve(n)
         if wait > 0 and self._closing.wait(wait):
             raise ConnectionAbortedError("server closing")
 
 
-class LinkGate:
+class LinkGate(_Bucket):
     """`fetch_checkpoint`'s `pace` (pass `gate.wait`) for a fetch that shares its link with
     the fetching node's own collectives: while the node holds the gate (`held`) the fetch's
     reads wait (each at most `HOLD_MAX_S`); otherwise they keep to `bytes_per_s` (None: no
@@ -38,24 +49,16 @@ class LinkGate:
     receive window, so its donors stop sending within a fraction of a second of a hold."""
 
     def __init__(self, bytes_per_s: float | None = None) -> None:
-        self.rate = bytes_per_s
+        super().__init__(bytes_per_s)
         self._open = threading.Event()
         self._open.set()
-        self._lock = threading.Lock()
-        self._next = time.monotonic()  # when the cap lets the next read start
         self.held_seconds = 0.0  # held so far, in all
 
     def wait(self, n: int) -> None:
         """Before each read of `n` bytes: wait while the gate is held, then for the cap."""
         self._open.wait(HOLD_MAX_S)
-        if not self.rate:
-            return
-        with self._lock:
-            now = time.monotonic()
-            start = max(now, self._next)
-            self._next = start + n / self.rate
-        if start > now:
-            time.sleep(start - now)
+        if self.rate and (wait := self._reserve(n)) > 0:
+            time.sleep(wait)
 
     @contextmanager
     def held(self) -> Iterator[None]:
