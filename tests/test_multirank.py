@@ -38,7 +38,11 @@ ARGS = [
     "--diloco.inner_steps", "20",
     "--ckpt.every", "20",
     "--eval.every", "20",
-    "--run.log_every", "10",
+    "--run.log_every", "5",
+    # a SIGTERM stops every node at the round's end, however slow the machine: with the
+    # default bound, a node whose estimate of the round's end passes it leaves at once while
+    # the other stays, so their runs part from the uninterrupted one
+    "--train.stop_within_s", "600",
 ]  # fmt: skip
 
 
@@ -119,8 +123,11 @@ def test_two_nodes_of_two_ranks_learn_match_and_resume_exactly(tmp_path, childre
     # boundary and checkpoints; the rerun resumes and reproduces the uninterrupted run
     log = tmp_path / "split.log"
     p = launch(children, split, cache, log)
-    wait_until(lambda: 1 in outer_by_step(node_metrics(split / "debug")) or p.poll() is not None,
-               200, what="the first outer step")  # fmt: skip
+    # mid-round 2 on both nodes (a node still at the boundary of round 1 would stop there
+    # while the other goes on to the next one)
+    wait_until(lambda: all(any(r["step"] >= 25 for r in node_metrics(split / "debug", k))
+                           for k in range(2)) or p.poll() is not None,
+               200, what="both nodes mid-round 2")  # fmt: skip
     p.send_signal(signal.SIGTERM)
     assert wait_exit(p, 200, log) == 0, log.read_text()[-3000:]
     assert "stopped after step" in log.read_text()

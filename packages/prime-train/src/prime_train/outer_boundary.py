@@ -26,8 +26,10 @@ Checkpoints taken at a boundary go through `checkpoint`, which handles a coordin
 there (an overlapped outer step's round ends in its checkpoint) the same way.
 
 A stop signal (SIGTERM, SIGINT) mid-round ends a mesh node at the round's end when that comes
-within `train.stop_within_s` (every node told to stop together stops at the same boundary).
-Otherwise, and when the outer step is synchronous, the node leaves now (`leave_now`): it
+within `train.stop_within_s`. Nodes told to stop together stop at the same boundary where
+each finds it within its bound (each estimates from its own step time: near the bound, one
+may stay for the round's end and commit it without another that left). Otherwise, and when
+the outer step is synchronous, the node leaves now (`leave_now`): it
 leaves the mesh at once, so the others go on without waiting for a heartbeat timeout, and
 checkpoints the committed state, the last boundary exactly; the same command rejoins later.
 """
