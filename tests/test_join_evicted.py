@@ -11,8 +11,9 @@ Node 1 joins node 0's running job; it holds its `ready()` a while (the fault hoo
   again with the same command, founds the run with it and resumes from its checkpoint, the
   newest, and node 2 joins it (issue #33, churn seed 21);
 - or node 1 listens to node 0's rounds and node 0 is SIGKILLed: node 1 is the only member and
-  holds none of the run's state; it is evicted, waits for a node with the run's state, and
-  joins node 0 run again.
+  holds only an older checkpoint than the one node 0 reported; it is evicted, waits for the
+  node holding the run's newest state rather than roll the run back, and joins node 0 run
+  again.
 """
 
 import re
@@ -36,7 +37,7 @@ H = 10
 STEPS = 200  # node 0 alone takes about a minute: node 1 joins well before its end
 NODE = {"host": "127.0.0.1", "token": TOKEN, "steps": STEPS, "inner_steps": H}
 HOLD = {"PRIME_TRAIN_FAULT_JOIN_READY_DELAY_S": "8"}
-NOTHING = "no node forming it anew holds a checkpoint"  # NothingToFormFrom, then again
+LISTENING = "listening (a member contributing nothing)"
 
 
 def start_joiner_once_outer_step(
@@ -139,43 +140,70 @@ def test_a_joiner_whose_run_lost_every_member_forms_it_anew_with_a_node_back(
     assert after and all(outer2[k]["outer_sha256"] == outer0[k]["outer_sha256"] for k in after)
 
 
+def reported_checkpoint(coord: Coordinator, node_id: str) -> int:
+    """The newest checkpoint step `node_id` reported to `coord` (-1: none yet)."""
+    nodes = coord.page_status()["nodes"]
+    return max((n["progress"].get("checkpoint", -1) for n in nodes if n["node_id"] == node_id),
+               default=-1)  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_listener_left_as_the_only_member_forms_the_run_anew_with_a_node_back(
+@pytest.mark.timeout(360)
+def test_a_listener_left_as_the_only_member_waits_for_the_node_holding_the_newest_state(
     tmp_path, token_cache, children
 ):
-    """Node 0 founds the run and serves snapshots at 0.2 Mbit/s; node 1 joins and listens
-    while its snapshot comes. Node 0 is SIGKILLed: node 1 is the only member and holds none
-    of the run's state. At its next sync point the coordinator finds every member listening
-    and evicts it ("only listening"): it registers again, holds no checkpoint, and waits
-    (`NothingToFormFrom`) instead of running the run on with nobody's state. Node 0, run
-    again, resumes from its checkpoint and node 1 joins it. Churn pass 2 of stop 42, seed 3:
-    such a run committed empty rounds for 15 minutes."""
+    """Node 0 founds the run (`--min-nodes 1`); node 1 joins, checkpoints and is SIGKILLed;
+    node 0 goes on alone and reports newer checkpoints. Node 1, run again, listens while its
+    snapshot comes (`--mesh.fetch_mbit 8`: ~10 s), and node 0 is SIGKILLed: node 1 is the
+    only member and listening, so the coordinator evicts it ("only listening"); it registers
+    again as a founder holding only its older checkpoint, behind the newest one node 0
+    reported, and waits (`NothingToFormFrom`) instead of rolling the run back. Node 0, run
+    again, resumes from its newest checkpoint and node 1 joins it. Churn pass 4, seed 5: the
+    listeners left as the only members re-formed the run from a checkpoint 25 outer steps
+    behind, and the nodes' rows carried two hashes per outer step."""
     folders = [tmp_path / f"node{k}" for k in range(2)]
+    log1 = tmp_path / "node1.log"
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=1).start()
-    node = {"coordinator": coord.address, "cache": token_cache, **NODE}
+    steps = 300  # node 1's second join (its snapshot: ~10 s) ends before node 0's run does
+    node = {"coordinator": coord.address, "cache": token_cache, **NODE, "steps": steps}
     try:
-        p0 = start_cli_node(children, folders[0], **node, args=["--mesh.serve_mbit", "0.2"])
-        wait_until(lambda: 2 in outer_by_step(folder_metrics(folders[0])), 120,
-                   what="node 0's outer step 2")  # fmt: skip
+        p0 = start_cli_node(children, folders[0], **node)
+        wait_until(lambda: 1 in outer_by_step(folder_metrics(folders[0])), 120,
+                   what="node 0's outer step 1")  # fmt: skip
         p1 = start_cli_node(children, folders[1], **node)
-        log1 = tmp_path / "node1.log"
-        wait_until(lambda: "listening (a member contributing nothing)" in log1.read_text(), 120,
-                   what="node 1 listening")  # fmt: skip
+        wait_until(lambda: reported_checkpoint(coord, "node1") > 0, 120,
+                   what="node 1 reporting a checkpoint")  # fmt: skip
+        p1.kill()
+        p1.wait(30)
+        first_life = folder_metrics(folders[1])
+        older = max(r.get("ckpt_step") or 0 for r in first_life)
+        wait_until(lambda: reported_checkpoint(coord, "node0") > older, 120,
+                   what="node 0 reporting a newer checkpoint than node 1's")  # fmt: skip
+        listening = log1.read_text().count(LISTENING)
+        p1 = start_cli_node(children, folders[1], **node, args=["--mesh.fetch_mbit", "8"])
+        wait_until(lambda: log1.read_text().count(LISTENING) > listening, 120,
+                   what="node 1 listening again")  # fmt: skip
         p0.kill()
         p0.wait(30)
-        wait_until(lambda: NOTHING in log1.read_text() or p1.poll() is not None, 120,
-                   what="node 1 evicted as the only, listening member, holding nothing")  # fmt: skip
+        newest = reported_checkpoint(coord, "node0")
+        wait_until(lambda: "reported holding the step-" in log1.read_text()
+                   or p1.poll() is not None, 120, what="node 1 waiting for node 0")  # fmt: skip
         p0 = start_cli_node(children, folders[0], **node)
         codes = [wait_exit(p, 240, tmp_path / f"node{k}.log") for k, p in enumerate((p0, p1))]
     finally:
         coord.close()
     assert codes == [0, 0], log_tails(tmp_path)
-    log1 = log1.read_text()
-    assert "only listening" in log1, log1[-3000:]
+    text1 = log1.read_text()
+    assert "only listening" in text1, text1[-3000:]
+    assert f"node0 reported holding the step-{newest} checkpoint" in text1, text1[-3000:]
+    resumed = re.findall(
+        r"resumed from the step-(\d+) checkpoint", folders[0].with_suffix(".log").read_text()
+    )
+    assert resumed and int(resumed[-1]) >= newest > older, resumed  # no roll-back
     joined = [r for r in folder_metrics(folders[1]) if r.get("joined")]
-    assert len(joined) == 1 and joined[0]["fetch_bytes"] > 0, joined
-    outer0, outer1 = (outer_by_step(folder_metrics(f)) for f in folders)
-    assert all(r["step"] >= joined[0]["step"] for r in outer1.values())  # no run of its own
-    assert max(outer0) == max(outer1) == STEPS // H
-    assert all(outer1[k]["outer_sha256"] == outer0[k]["outer_sha256"] for k in outer1)
+    assert len(joined) == 2 and joined[-1]["step"] >= newest, joined  # each life joined once
+    again = [r for r in folder_metrics(folders[1])[len(first_life) :] if "outer_step" in r]
+    assert again and all(r["step"] >= joined[-1]["step"] for r in again)  # no run of its own
+    outer0 = outer_by_step(folder_metrics(folders[0]))
+    assert max(outer0) == steps // H and outer0[steps // H]["nodes"] == 2
+    assert all(r["outer_sha256"] == outer0[r["outer_step"]]["outer_sha256"] for r in again)

@@ -284,3 +284,27 @@ def test_a_run_whose_members_all_listen_forms_anew():
     assert len(m2.members) == 2 and ca.replies(2) and cb.replies(2)
     assert {n["metadata"]["k"]: n["listening"] for n in m2.status()["nodes"]} == {
         "a": False, "b": True}  # fmt: skip
+
+
+def test_nodes_forming_a_run_anew_are_told_the_newest_checkpoint_a_node_of_it_reported():
+    """The newest `checkpoint` any node of the run reported with its heartbeats outlives that
+    node, and each epoch of the run carries it: founders forming the run anew after its
+    members left compare what they hold against it (churn pass 4, seed 5: listeners formed
+    the run from a checkpoint 25 outer steps behind the one their last contributor held). A
+    run of another config hash, hosted by the same coordinator later, is not told it."""
+    m = Membership(min_nodes=1)
+    (a, _), (b, _) = register(m, "a", cfg="run1"), register(m, "b", cfg="run1")
+    assert "checkpoint" not in m.epoch_info()  # none reported yet
+    m.heartbeat(a, 0, [{"step": 40, "checkpoint": 40}])
+    m.heartbeat(b, 0, [{"checkpoint": 80}, {"checkpoint": 120}])
+    m.heartbeat(a, 0, [{"checkpoint": 80}])  # an older one than b's: b's stays the newest
+    m.heartbeat(a, 0, [{"checkpoint": "120"}])  # malformed: counted, not kept
+    assert m.epoch_info()["checkpoint"] == (120, b.node_id)
+    m.leave(a, completed=False)
+    m.leave(b, completed=False)
+    assert not m.members
+    c, _ = register(m, "c", cfg="run1")  # a founder of the same run, forming it anew
+    assert m.members and m.epoch_info()["checkpoint"] == (120, b.node_id)
+    m.leave(c, completed=False)
+    register(m, "d", cfg="run2")  # another run on the same coordinator
+    assert m.members and "checkpoint" not in m.epoch_info()

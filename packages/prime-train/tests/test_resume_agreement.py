@@ -60,3 +60,20 @@ def test_founders_resume_from_the_newest_step_and_the_others_join(children):
     for out in results.values():  # no node holds a whole step, but a rank holds one
         assert out["ranks share none"][0] == "refused", out
         assert "move every node's checkpoints aside" in out["ranks share none"][1]
+
+
+def test_founders_behind_the_newest_checkpoint_a_node_reported_wait_for_it():
+    """`check_holds_run_state`: founders whose newest step (None: none) lies behind the
+    newest checkpoint a node of the run reported would roll the run back: NothingToFormFrom,
+    naming that node; at or past it, or with nothing reported, they form the run."""
+    from prime_train.diloco import NothingToFormFrom
+    from prime_train.diloco.resume_agreement import check_holds_run_state
+
+    check_holds_run_state(None, None)  # a fresh run, or a restarted coordinator
+    check_holds_run_state(None, 40)
+    check_holds_run_state((120, "node1"), 120)
+    check_holds_run_state((120, "node1"), 160)  # (its stop's checkpoint, past the reported)
+    for held, says in ((80, "checkpoints up to step 80"), (None, "no checkpoint")):
+        with pytest.raises(NothingToFormFrom, match=f"hold {says}, but node1 reported holding "
+                           "the step-120 checkpoint"):  # fmt: skip
+            check_holds_run_state((120, "node1"), held)

@@ -20,20 +20,25 @@ from prime_mesh.errors import CoordinatorLost
 @dataclass(frozen=True)
 class Epoch:
     """An epoch pushed by the coordinator: its number, group prefix, members in rank order,
-    and the members admitted at the sync point that made it (those skip their first one)."""
+    the members admitted at the sync point that made it (those skip their first one), and
+    the newest checkpoint a node of the run reported (see `ElasticDeviceMesh.
+    newest_checkpoint`)."""
 
     number: int
     prefix: str
     members: tuple[str, ...]
     joined: tuple[str, ...] = ()
+    checkpoint: tuple[int, str] | None = None
 
     @classmethod
     def parse(cls, info: dict) -> Epoch:
+        newest = info.get("checkpoint")
         return cls(
             int(info["epoch"]),
             str(info["prefix"]),
             tuple(info["members"]),
             tuple(info.get("joined", ())),
+            (int(newest[0]), str(newest[1])) if newest else None,
         )
 
 

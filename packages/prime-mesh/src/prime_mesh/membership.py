@@ -156,7 +156,7 @@ class Membership(MembershipViews):
     def heartbeat(self, node: Node, lr: int, progress: Any = None) -> None:
         node.last_seen[lr] = self.clock()
         if progress is not None:
-            self.history.report(node.node_id, progress)
+            self.history.report(node.node_id, progress, run=node.metadata.get("config_hash"))
 
     def sync(self, node: Node, lr: int, conn: Conn, req: int, msg: dict) -> None:
         """A member reached a sync point; answer when every member has (or at once if stale)."""

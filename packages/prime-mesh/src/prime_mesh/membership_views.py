@@ -36,7 +36,17 @@ class MembershipViews:
             "prefix": self.prefix,
             "members": [self.nodes[k].node_id for k in self.members],
             "joined": self.joined,
+            **({"checkpoint": newest} if (newest := self._newest_checkpoint()) else {}),
         }
+
+    def _newest_checkpoint(self) -> tuple[int, str] | None:
+        """The newest checkpoint a node of the members' run reported (a coordinator may
+        outlive a run and host another)."""
+        newest = self.history.newest_checkpoint
+        if newest is None or not self.members:
+            return None
+        run = self.nodes[self.members[0]].metadata.get("config_hash")
+        return newest[:2] if newest[2] == run else None
 
     def state_of(self, node: Node) -> str:
         """registering, waiting, joining or member (see `prime_mesh.membership`)."""

@@ -122,6 +122,14 @@ class MeshViews:
         return self._current().number
 
     @property
+    def newest_checkpoint(self) -> tuple[int, str] | None:
+        """(step, node id): the newest checkpoint step a node of this run reported holding
+        (`report_progress(checkpoint=...)`), members and departed nodes alike, as of the
+        installed epoch; None: none reported under this coordinator. Nodes forming the run
+        anew that hold less would roll it back: the node holding it is away."""
+        return self._current().checkpoint
+
+    @property
     def installed_group(self) -> tuple[int, tuple[str, ...]]:
         """(epoch, member node ids in rank order) of the group installed last, read without
         raising for an eviction or a lost coordinator: a round whose vote passed before this

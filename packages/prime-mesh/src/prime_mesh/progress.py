@@ -29,6 +29,8 @@ PROGRESS_FIELDS: dict[str, tuple[str, bool]] = {
     "allreduce_seconds": ("seconds in the last outer step's all-reduce", False),
     "wait_seconds": ("seconds of the last outer step spent waiting on peers", False),
     "ckpt_errors": ("checkpoint saves and uploads that failed so far", True),
+    # (also the coordinator's: see `ElasticDeviceMesh.newest_checkpoint`)
+    "checkpoint": ("the newest checkpoint step this node holds on disk", True),
 }
 MAX_PENDING = 64  # reports queued between two heartbeats (older ones are dropped first)
 SERIES_POINTS = 2000  # points kept per node
@@ -71,6 +73,9 @@ class History:
         self.latest: dict[str, dict] = {}
         self.departed: deque[dict] = deque(maxlen=DEPARTED)
         self.dropped_reports = 0
+        # the newest `checkpoint` a node reported: (step, node id, its run's config hash),
+        # kept after the node left, for the nodes forming that run anew (the epoch carries it)
+        self.newest_checkpoint: tuple[int, str, str | None] | None = None
 
     def event(self, kind: str, epoch: int, node_id: str | None, why: str, members: list) -> None:
         self.events.append(
@@ -95,8 +100,9 @@ class History:
             }
         )
 
-    def report(self, node_id: str, reports: Any) -> None:
-        """Record a heartbeat's reports; malformed ones (an old or buggy peer) are counted, not kept."""
+    def report(self, node_id: str, reports: Any, run: str | None = None) -> None:
+        """Record a heartbeat's reports (`run`: the node's config hash); malformed ones (an
+        old or buggy peer) are counted, not kept."""
         if not isinstance(reports, list):
             self.dropped_reports += 1
             return
@@ -108,6 +114,9 @@ class History:
                 continue
             if not point:
                 continue
+            step, newest = point.get("checkpoint"), self.newest_checkpoint
+            if step is not None and (newest is None or newest[2] != run or step > newest[0]):
+                self.newest_checkpoint = int(step), node_id, run
             self.latest.setdefault(node_id, {}).update(point)
             series = self.series.get(node_id)
             if series is None:

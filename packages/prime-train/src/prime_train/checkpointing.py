@@ -189,6 +189,11 @@ class Checkpointer:
         on disk only (no listing of the remote, which may hang for its whole bound)."""
         return self.manager.committed_steps(("ram", "disk") if local else TIERS)
 
+    def newest_on_disk(self) -> int | None:
+        """The newest step this rank holds committed on disk (None: none)."""
+        steps = self.manager.committed_steps(("disk",))
+        return steps[-1] if steps else None
+
     def leave_by(self, deadline: float) -> None:
         """A stop signal came: `close()` waits for the final upload only until `deadline`
         (time.monotonic(); less `EXIT_S` for what follows it), within `upload_timeout_s`, so a

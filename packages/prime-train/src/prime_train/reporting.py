@@ -26,6 +26,7 @@ _PROGRESS = {
     "bytes_sent": "bytes_sent",
     "allreduce_seconds": "allreduce_seconds",
     "ckpt_errors": "ckpt_errors",
+    "ckpt_step": "checkpoint",
 }
 
 

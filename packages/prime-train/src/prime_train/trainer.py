@@ -21,7 +21,7 @@ from prime_train.diloco import make_outer_step
 from prime_train.diloco.join import join_running_job
 from prime_train.diloco.membership import replay_dir
 from prime_train.diloco.replay_log import ReplayLog
-from prime_train.diloco.resume_agreement import LacksNewestStep
+from prime_train.diloco.resume_agreement import LacksNewestStep, NothingToFormFrom
 from prime_train.metrics import Log, LogLines
 from prime_train.optim import lr_at
 from prime_train.outer_boundary import OuterBoundary
@@ -71,6 +71,9 @@ class Meter:
                 # so far: the seconds the loop waited for checkpoints, and how many it saved
                 "ckpt_blocked_s": round(run.ckpt.blocked_s, 3),
                 "ckpt_saves": run.ckpt.saves,
+                # the newest step on this node's disk: the mesh keeps the run's newest, which
+                # nodes forming the run anew must hold (`diloco/resume_agreement.py`)
+                "ckpt_step": run.ckpt.newest_on_disk(),
             }
         )
         loss = f"{self.last_loss:.4f}" if self.steps else "- (no data slot yet)"
@@ -185,9 +188,10 @@ def begin(run: Run, outer: OuterStep | None) -> tuple[int, float | None]:
     else:
         try:
             start = run.resume(outer)
-        except LacksNewestStep as e:  # the holders found the run; this node joins it
-            assert isinstance(outer, ElasticOuterStep)  # (only a mesh node's step raises it)
-            run.log.info(f"{e}; leaving the founders to join")
+        except (LacksNewestStep, NothingToFormFrom) as e:  # join the holders, or wait for them
+            assert isinstance(outer, ElasticOuterStep)  # (only a mesh node's step raises them)
+            run.log.info(f"{e}; leaving the founders to join" if isinstance(e, LacksNewestStep)
+                         else f"{e}; leaving the founders to wait")  # fmt: skip
             start = _join(run, outer, lost=e)
     eval_loss = None
     if start == 0:

@@ -9,7 +9,11 @@ from prime_train.diloco.listen import JoinedLate
 from prime_train.diloco.membership import Membership, uses_mesh
 from prime_train.diloco.outer_optimizer import OuterOptimizer, local_tensor
 from prime_train.diloco.outer_step import Diloco, OuterStepFailed
-from prime_train.diloco.resume_agreement import LacksNewestStep, NoCommonCheckpoint
+from prime_train.diloco.resume_agreement import (
+    LacksNewestStep,
+    NoCommonCheckpoint,
+    NothingToFormFrom,
+)
 from prime_train.seam import OuterStepReport
 
 
@@ -25,6 +29,7 @@ __all__ = [
     "LacksNewestStep",
     "Membership",
     "NoCommonCheckpoint",
+    "NothingToFormFrom",
     "OuterOptimizer",
     "OuterStepFailed",
     "OuterStepReport",

@@ -50,8 +50,7 @@ from prime_train.diloco.fetch import (
 from prime_train.diloco.join_state import JoinedRow, Joining
 from prime_train.diloco.listen import JoinedLate, Listener
 from prime_train.diloco.membership import Membership
-from prime_train.diloco.resume_agreement import LacksNewestStep
-from prime_train.rundir import RunDirError
+from prime_train.diloco.resume_agreement import LacksNewestStep, NothingToFormFrom
 
 if TYPE_CHECKING:
     from prime_train.run import Run
@@ -154,34 +153,32 @@ def _register_again(run: Run, outer: ElasticOuterStep, lost: BaseException) -> M
     return membership
 
 
-class NothingToFormFrom(RunDirError):
-    """The nodes forming a run anew, after every member left, hold no checkpoint: the run's
-    state left with its members, and starting it over would throw it away."""
-
-
 def _form_anew(run: Run, outer: ElasticOuterStep, lost: BaseException) -> int:
     """Registered again into a run with no members left: this node is one of the nodes
     forming it anew, resuming from the newest checkpoint any of them holds (`Run.resume`;
-    LacksNewestStep where this node lacks it). Where none holds one, it leaves again and
-    waits a while (`NothingToFormFrom`) for nodes that come back with the run's state, rather
-    than start the run over."""
+    LacksNewestStep where this node lacks it). Where none holds the run's newest state
+    (`NothingToFormFrom`: no checkpoint, or one behind the run's last agreed state), it
+    leaves again and waits a while for nodes that come back with it, rather than start the
+    run over or roll it back."""
     run.log.warn(
         f"the run has no members left ({type(lost).__name__}: {lost}); this node is one of "
         "the nodes forming it anew, from the newest checkpoint any of them holds"
     )
-    start = run.resume(outer)
-    if start > 0:
-        return start
-    membership = run.placement.membership
-    assert membership is not None
-    membership.close()  # (before the pause: a node coming back with state founds, not joins)
-    time.sleep(FORM_AGAIN_S)
-    raise NothingToFormFrom(
-        "the run this node was joining lost every member, and no node forming it anew holds "
-        "a checkpoint: its state left with its members. Start the nodes that hold its "
-        "checkpoints again (this node then joins them), or move every node's checkpoints "
-        "aside to start the run over"
-    )
+    try:
+        start = run.resume(outer)
+        if start == 0:
+            raise NothingToFormFrom(
+                "the nodes forming the run anew hold no checkpoint: the run's state left with "
+                "its members. Start the nodes that hold its checkpoints again (this node then "
+                "joins them), or move every node's checkpoints aside to start the run over"
+            )
+    except NothingToFormFrom:
+        membership = run.placement.membership
+        assert membership is not None
+        membership.close()  # (before the pause: a node coming back with state founds, not joins)
+        time.sleep(FORM_AGAIN_S)
+        raise
+    return start
 
 
 def _end(outer: ElasticOuterStep, joining: Joining, listener: Listener, again: bool) -> None:

@@ -47,7 +47,7 @@ from prime_train.diloco.join_side import JoinSide
 from prime_train.diloco.listen import JoinedLate, Listener, settle_late, sync_count, sync_part
 from prime_train.diloco.outer_optimizer import OuterOptimizer
 from prime_train.diloco.replay_log import Entry, ReplayLog
-from prime_train.diloco.resume_agreement import agree_resume_step
+from prime_train.diloco.resume_agreement import agree_resume_step, check_holds_run_state
 from prime_train.diloco.round_log import (
     RoundLog,
     join_cost,
@@ -345,10 +345,12 @@ class Diloco(JoinSide):
         """The newest checkpoint step any node holds in all its ranks (None: a fresh run, no
         node holds any): agreed inside the node first, then across nodes, each in one
         all-gather. LacksNewestStep on a node that does not hold it (it joins the run the
-        holders form); see `diloco/resume_agreement.py`."""
+        holders form); NothingToFormFrom where none holds the newest step a node of the run
+        reported (it is away); see `diloco/resume_agreement.py`."""
         step = agree_resume_step(
             local_steps, self.node_group, self.mesh.global_pg, self.mesh.global_world_size
         )
+        check_holds_run_state(self.mesh.newest_checkpoint, step)
         if step is None:  # a fresh run: its first vote compares the starting weights too
             self.mesh.note_outer_step(0, self.rounds.node_digest())
         return step

@@ -11,6 +11,12 @@ all-gather of each node's step decides, the same on every node, so the founders 
   path (`diloco/join.py`), so a run that lost every member re-forms from the newest state
   any founder holds instead of stopping.
 
+Nodes forming a run anew must also hold the newest checkpoint step any node of the run
+reported holding on disk (`ElasticDeviceMesh.newest_checkpoint`, while the coordinator
+lives): founders that hold only older checkpoints, or none, would roll the run back (or
+start it over) while the node holding its newest state is away. They raise
+`NothingToFormFrom` instead, leave, and wait for it to come back (`diloco/join.py`).
+
 Newest wins even where an older step is common to every node: resuming from the common step
 would throw away the rounds after it, while joining costs the lagging nodes only a snapshot.
 A node whose ranks hold checkpoints but share no step, when no node holds a whole step, is
@@ -71,6 +77,28 @@ class LacksNewestStep(RunDirError):
             f"newest: the run resumes from step {step} on those, and this node joins it "
             "through live recovery (snapshot from a member, then the rounds since)"
         )
+
+
+class NothingToFormFrom(RunDirError):
+    """The nodes forming a run anew hold no checkpoint of its newest state: none at all, or
+    only ones older than the state the run's last commit vote agreed on. Forming it from
+    them would start it over or roll it back: the founders leave and wait for a node that
+    holds that state (`diloco/join.py`)."""
+
+
+def check_holds_run_state(newest: tuple[int, str] | None, step: int | None) -> None:
+    """NothingToFormFrom where `step`, the newest checkpoint the founders hold (None: none),
+    lies behind `newest`, the newest (step, node) a node of the run reported holding (None:
+    none reported, as after a coordinator restart)."""
+    if newest is None or (step is not None and step >= newest[0]):
+        return
+    held = "no checkpoint" if step is None else f"checkpoints up to step {step}"
+    raise NothingToFormFrom(
+        f"the nodes forming the run anew hold {held}, but {newest[1]} reported holding the "
+        f"step-{newest[0]} checkpoint: it is away, and forming the run from these would roll "
+        f"it back. Start {newest[1]} again (this node then joins it); to roll the run back "
+        "on purpose, restart the coordinator"
+    )
 
 
 def agree_resume_step(
