@@ -46,6 +46,7 @@ import wan_chaos_schedule as schedule  # noqa: E402
 from wan_chaos import bed_workdir, run_job  # noqa: E402
 
 from prime_mesh.round_requests import DIVERGED  # noqa: E402
+from prime_testkit import slot_chain_problems  # noqa: E402
 
 CHECKS = ("one_hash_per_outer_step", "no_rollback", "slot_chains", "commit_gaps",
           "processes_exit_0", "no_namespace_or_process_left")  # fmt: skip
@@ -160,29 +161,6 @@ def split_hashes(job) -> dict[int, list[str]]:
     return {k: sorted(v) for k, v in hashes.items() if len(v) > 1}
 
 
-def slot_chains(job) -> list[str]:
-    """What breaks "every slot's counted reads are one chain from 0": a slot read by two nodes
-    in one outer step, a gap or an overlap."""
-    first: dict[tuple[int, int], dict] = {}  # (node, outer step) -> its first row
-    for r in job.outer_rows():
-        first.setdefault((r["node"], r["outer_step"]), r)
-    reads: dict[int, list[tuple[int, int, int, int]]] = {}
-    problems = []
-    for (node, k), r in sorted(first.items(), key=lambda x: x[0][1]):
-        for slot, (a, b) in (r.get("data") or {}).items():
-            reads.setdefault(int(slot), []).append((a, b, k, node))
-    for slot, got in sorted(reads.items()):
-        at = 0
-        for a, b, k, node in sorted(got):
-            if a != at:
-                problems.append(f"slot {slot}: node{node} read {a}..{b} at outer step {k}, "
-                                f"expected from {at}")  # fmt: skip
-            at = max(at, b)
-    if not reads:
-        problems.append("no row carries data slot reads")
-    return problems
-
-
 def commit_gaps(job, limit: float) -> list[str]:
     """Stretches without a commit longer than `limit` seconds."""
     times = [t for t, _, _ in report.commits(job.outer_rows())]
@@ -194,7 +172,8 @@ def check(job, left: list[str], sync_timeout: float) -> dict[str, object]:
     lost = report.nothing_lost(job, {}, left)
     exits = {f"node{k} pid {p.pid}": p.returncode
              for k, p in job.every_proc if p.pid not in job.killed}  # fmt: skip
-    chains, gaps, split = slot_chains(job), commit_gaps(job, sync_timeout), split_hashes(job)
+    chains, gaps = slot_chain_problems(job.outer_rows()), commit_gaps(job, sync_timeout)
+    split = split_hashes(job)
     return {
         "one_hash_per_outer_step": not split and bool(lost["outer_steps"]),
         "split_hashes": split,

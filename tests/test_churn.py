@@ -51,19 +51,6 @@ def row(node, k, t, data):
     return {"node": node, "outer_step": k, "time": t, "nodes": 2, "data": data}
 
 
-def test_slot_chains_find_a_range_read_twice_and_a_gap():
-    good = [row(0, 1, 1.0, {"0": [0, 4]}), row(1, 1, 1.0, {"1": [0, 4]}),
-            row(1, 2, 2.0, {"0": [4, 6]}), row(0, 2, 2.0, {"1": [4, 8]})]  # fmt: skip
-    assert churn.slot_chains(job_of(good)) == []
-    twice = [*good, row(2, 3, 3.0, {"0": [4, 6]})]  # a late node read slot 0's 4..6 again
-    assert churn.slot_chains(job_of(twice)) == [
-        "slot 0: node2 read 4..6 at outer step 3, expected from 6"
-    ]
-    gap = [*good, row(0, 3, 3.0, {"1": [9, 10]})]
-    assert "expected from 8" in churn.slot_chains(job_of(gap))[0]
-    assert churn.slot_chains(job_of([row(0, 1, 1.0, {})])) == ["no row carries data slot reads"]
-
-
 def test_one_hash_per_outer_step_but_the_injected_row():
     faults = churn.draw_faults(3, 3)
     assert faults == churn.draw_faults(3, 3) and len(faults) == 2  # two nodes, replayable

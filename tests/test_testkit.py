@@ -5,7 +5,14 @@ import sys
 
 import pytest
 
-from prime_testkit import Children, clean_env, debug_args, wait_exit, wait_until
+from prime_testkit import (
+    Children,
+    clean_env,
+    debug_args,
+    slot_chain_problems,
+    wait_exit,
+    wait_until,
+)
 
 
 def test_children_are_killed_and_reaped():
@@ -94,3 +101,23 @@ def test_a_process_still_running_past_its_wait_prints_its_stacks(tmp_path, child
         wait_exit(p, 1, log)
     assert "most recent call first" in str(e.value) and "prime_train" in str(e.value)
     assert p.poll() is None  # (the handler printed and went on)
+
+
+def test_slot_chain_problems_find_a_range_read_twice_a_gap_and_a_stalled_slot():
+    def row(node, k, data):
+        return {"node": node, "outer_step": k, "data": data}
+
+    good = [row(0, 1, {"0": [0, 4]}), row(1, 1, {"1": [0, 4]}),
+            row(1, 2, {"0": [4, 6]}), row(0, 2, {"1": [4, 8]})]  # fmt: skip
+    assert slot_chain_problems(good) == [] and slot_chain_problems(good, 2, stall=0) == []
+    twice = [*good, row(2, 3, {"0": [4, 6]})]  # a late node read slot 0's 4..6 again
+    assert slot_chain_problems(twice) == [
+        "slot 0: node2 read 4..6 at outer step 3, expected from 6"
+    ]
+    gap = [*good, row(0, 3, {"1": [9, 10]})]
+    assert "expected from 8" in slot_chain_problems(gap)[0]
+    on = [*good, row(0, 3, {"1": [8, 9]}), row(0, 4, {"1": [9, 10]})]  # slot 0 left behind
+    assert slot_chain_problems(on, 2, stall=2) == []
+    assert slot_chain_problems(on, 2, stall=1) == ["slot 0: not read for 2 outer steps in a row"]
+    assert slot_chain_problems(good, 3, stall=1) == ["slot 2: not read for 2 outer steps in a row"]
+    assert slot_chain_problems([row(0, 1, {})]) == ["no row carries data slot reads"]

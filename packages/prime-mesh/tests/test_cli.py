@@ -2,43 +2,20 @@
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from mesh_node import BOUND, HB_TIMEOUT, mesh_nodes
 
-from prime_testkit import free_port
+from prime_testkit import free_port, start_mesh_coordinator
 
 CLI = str(Path(sys.executable).parent / "prime-mesh")
 TOKEN = "test-token-cli"
-
-
-def _lines(proc):
-    q = queue.Queue()
-    threading.Thread(target=lambda: [q.put(line) for line in proc.stdout], daemon=True).start()
-    return q
-
-
-def _start_coordinator(children, *extra):
-    env = {**os.environ, "PRIME_TOKEN": TOKEN}
-    proc = children.popen(
-        [CLI, "coordinator", "--host", "127.0.0.1", "--port", "0", *extra],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines = _lines(proc)
-    first = lines.get(timeout=60)
-    assert "listening on" in first, first
-    return proc, first.split("listening on ")[1].split()[0]
 
 
 def _run(*args, env_token=None, timeout=60):
@@ -50,7 +27,7 @@ def _run(*args, env_token=None, timeout=60):
 
 @pytest.mark.timeout(200)
 def test_cli_status_and_coordinator_killed(children, tmp_path):
-    coord, address = _start_coordinator(children, "--min-nodes", "2")
+    coord, address = start_mesh_coordinator(children, TOKEN, "--min-nodes", "2")
     cluster = mesh_nodes(children, address, TOKEN)
     hosts = {"a": "127.0.0.3", "b": "127.0.0.2"}
     for n in "ab":
@@ -97,7 +74,7 @@ def test_cli_status_and_coordinator_killed(children, tmp_path):
     assert "epoch 1, 2 members" in _run("status", "--coordinator", address, env_token=TOKEN).stdout
 
     # A stalled coordinator: the nodes notice its silence within the heartbeat timeout.
-    coord.send_signal(signal.SIGSTOP)
+    coord.p.send_signal(signal.SIGSTOP)
     stopped_at = time.time()
     for n in "ab":
         while True:  # mesh calls answer normally until the silence exceeds the timeout
@@ -108,9 +85,9 @@ def test_cli_status_and_coordinator_killed(children, tmp_path):
                 break
             time.sleep(0.2)
         assert kw["type"] == "CoordinatorLost" and "has not answered" in kw["msg"], kw
-    coord.send_signal(signal.SIGKILL)
-    coord.send_signal(signal.SIGCONT)
-    coord.wait(timeout=10)
+    coord.p.send_signal(signal.SIGKILL)
+    coord.p.send_signal(signal.SIGCONT)
+    coord.p.wait(timeout=10)
     for n in "ab":
         cluster.send(n, "reinit")
     for n in "ab":  # no coordinator comes back within their grace
@@ -152,7 +129,7 @@ def _listening(port: int) -> set[str]:
 @pytest.mark.timeout(120)
 def test_the_coordinator_and_its_store_listen_on_its_host_only(children):
     store_port = free_port()
-    coord, address = _start_coordinator(children, "--store-port", str(store_port))
+    coord, address = start_mesh_coordinator(children, TOKEN, "--store-port", str(store_port))
     # torch's TCPStore alone would listen on every interface (ipv6 "::", dual stack)
     assert _listening(int(address.rsplit(":", 1)[1])) == {"127.0.0.1"}
     assert _listening(store_port) == {"127.0.0.1"}
@@ -160,13 +137,13 @@ def test_the_coordinator_and_its_store_listen_on_its_host_only(children):
                str(store_port), env_token=TOKEN)  # fmt: skip
     assert out.returncode == 2 and "pick another --store-port" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
-    coord.send_signal(signal.SIGTERM)
-    assert coord.wait(timeout=30) == 0
+    coord.p.send_signal(signal.SIGTERM)
+    assert coord.p.wait(timeout=30) == 0
 
 
 @pytest.mark.timeout(200)
 def test_node_names_show_and_a_live_nodes_name_is_refused(children):
-    coord, address = _start_coordinator(children, "--min-nodes", "2")
+    coord, address = start_mesh_coordinator(children, TOKEN, "--min-nodes", "2")
     cluster = mesh_nodes(children, address, TOKEN)
     for n in "ab":
         cluster.start(n, node_name=f"dc1-{n}")

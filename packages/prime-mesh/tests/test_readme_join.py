@@ -5,22 +5,17 @@ Each node is its own `python example.py` (or `joiner.py`) process against a real
 steps and leaves. After the join every node's committed results must agree step by step.
 """
 
-import os
-import queue
 import re
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from prime_mesh.status import format_status, query_status
-from prime_testkit import wait_until
+from prime_testkit import LineProc, start_mesh_coordinator, wait_until
 
 README = Path(__file__).parents[1] / "README.md"
-CLI = str(Path(sys.executable).parent / "prime-mesh")
 TOKEN = "test-token-readme"
 STEP = re.compile(r"^step (\d+): epoch (\d+), rank (\d+)/(\d+), \[(.*)\]$")
 JOINER_STEPS = 6
@@ -36,21 +31,11 @@ def write_examples(folder: Path) -> None:
         (folder / name).write_text(code)
 
 
-class Proc:
-    """A child process whose output lines are collected with their arrival times."""
+class Proc(LineProc):
+    """An example's process (its output lines collected with their times)."""
 
     def __init__(self, children, args, cwd: Path) -> None:
-        env = {**os.environ, "PRIME_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
-        self.p = children.popen(
-            args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[tuple[float, str]] = []
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        super().__init__(children, args, TOKEN, cwd)
 
     def steps(self, since: float = 0.0) -> list[tuple[int, int, int, int, list[float]]]:
         """Committed steps printed: (step, epoch, rank, world, values)."""
@@ -62,31 +47,11 @@ class Proc:
                 out.append((*map(int, m.groups()[:4]), values))
         return out
 
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-
-def start_coordinator(children, min_nodes: int, cwd: Path) -> tuple[Proc, str]:
-    coord = Proc(
-        children,
-        [CLI, "coordinator", "--host", "127.0.0.1", "--port", "0", "--min-nodes", str(min_nodes)],
-        cwd,
-    )
-
-    def address() -> str | None:
-        for _, line in coord.lines:
-            if line.startswith("prime-mesh coordinator listening on "):
-                return line.split("listening on ")[1].split()[0]
-        return None
-
-    wait_until(lambda: address() is not None, WAIT, what="the coordinator's address line")
-    return coord, address()
-
 
 def form(children, tmp_path: Path, n: int) -> tuple[str, list[Proc]]:
     """A coordinator with --min-nodes n and n members running example.py (steps unbounded)."""
     write_examples(tmp_path)
-    _, address = start_coordinator(children, n, tmp_path)
+    _, address = start_mesh_coordinator(children, TOKEN, "--min-nodes", str(n), cwd=tmp_path)
     members = [
         Proc(children, [sys.executable, "example.py", address, "100000"], tmp_path)
         for _ in range(n)
@@ -172,7 +137,7 @@ def test_readme_examples_alone(children, tmp_path):
     ], alone.text()
     assert "'state': 'member'" in alone.text()
 
-    _, address = start_coordinator(children, 1, tmp_path)
+    _, address = start_mesh_coordinator(children, TOKEN, "--min-nodes", "1", cwd=tmp_path)
     first = Proc(children, [sys.executable, "joiner.py", address, "3"], tmp_path)
     assert first.p.wait(timeout=WAIT) == 0, first.text()
     # no members to fetch from: it says ready() and forms the job (min_nodes 1) by itself

@@ -11,7 +11,9 @@ than one test file uses lives here, once, one module per concern.
   runs folder and a token cache), `clean_env` (no PRIME_* settings); `cli_node` /
   `start_cli_node`: a node in its own working folder; `start_ranked_node`: one of several
   rank processes, as torchrun starts it; `start_coordinator_cli`: `prime-mesh
-  coordinator` as its own process; `start_local_node(s)`: node k of nodes
+  coordinator` as its own process on a given port, logging to a file (restarted there);
+  `start_mesh_coordinator`: one on a free port, its output collected (`LineProc`, a child
+  whose output lines are kept with their times); `start_local_node(s)`: node k of nodes
   sharing one runs folder (PRIME_LOCAL_NODE=k); `run_local_nodes`: such a job with its
   coordinator, run to its end or stopped with SIGTERM. The root conftest.py's module-scoped
   `token_cache` fixture is the token cache of a module's runs.
@@ -54,6 +56,7 @@ from prime_testkit.children import (
 )
 from prime_testkit.ckpt import donor_processes, make_checkpoint, small_disk_at, small_state
 from prime_testkit.cli_node import (
+    LineProc,
     clean_env,
     cli_node,
     debug_args,
@@ -62,6 +65,7 @@ from prime_testkit.cli_node import (
     start_coordinator_cli,
     start_local_node,
     start_local_nodes,
+    start_mesh_coordinator,
     start_nodes_in_turn,
     start_ranked_node,
     stop_once_contributing,
@@ -89,6 +93,7 @@ from prime_testkit.runs import (
     outer_by_step,
     outer_hashes,
     outer_rows,
+    slot_chain_problems,
     trace,
 )
 
@@ -116,6 +121,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "slot_chain_problems",
     "donor_processes",
     "CREDENTIALS",
     "DEFAULT_TIMEOUT",
@@ -162,6 +168,8 @@ __all__ = [
     "start_nodes_in_turn",
     "stop_once_contributing",
     "start_coordinator_cli",
+    "start_mesh_coordinator",
+    "LineProc",
     "start_local_node",
     "start_local_nodes",
     "start_ranked_node",

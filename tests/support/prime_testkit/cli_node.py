@@ -14,6 +14,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -195,6 +197,50 @@ def start_coordinator_cli(
             [sys.executable, "-m", "prime_mesh.cli", *args],
             env=dict(os.environ, PRIME_TOKEN=token), stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
+
+
+class LineProc:
+    """A child process (through `Children`, PRIME_TOKEN `token`) whose output lines a thread
+    collects, each with its arrival time (`lines`)."""
+
+    def __init__(
+        self, children: Children, args: Sequence[str], token: str, cwd: Path | None = None
+    ) -> None:
+        env = {**os.environ, "PRIME_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+        self.p = children.popen(list(args), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def start_mesh_coordinator(
+    children: Children, token: str, *extra: str, cwd: Path | None = None
+) -> tuple[LineProc, str]:
+    """`prime-mesh coordinator --host 127.0.0.1 --port 0 *extra`, once it printed where it
+    listens (within 60 s): the process and its HOST:PORT."""
+    cli = str(Path(sys.executable).parent / "prime-mesh")
+    coord = LineProc(children, [cli, "coordinator", "--host", "127.0.0.1", "--port", "0", *extra],
+                     token, cwd)  # fmt: skip
+
+    def address() -> str | None:
+        for _, line in coord.lines:
+            if line.startswith("prime-mesh coordinator listening on "):
+                return line.split("listening on ")[1].split()[0]
+        return None
+
+    wait_until(lambda: address() is not None or coord.p.poll() is not None, 60,
+               what="the coordinator's address line")  # fmt: skip
+    found = address()
+    assert found is not None, coord.text()
+    return coord, found
 
 
 def stop_once_contributing(

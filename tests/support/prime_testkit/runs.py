@@ -57,6 +57,39 @@ def outer_hashes(rows: Iterable[dict]) -> dict[int, str]:
     return {k: r["outer_sha256"] for k, r in outer_by_step(rows).items()}
 
 
+def slot_chain_problems(
+    rows: Iterable[dict], slots: int = 0, stall: int | None = None
+) -> list[str]:
+    """What breaks "every data slot's counted reads are one chain from 0" in the outer-step
+    rows of several nodes (each row naming its `node`; a node's first row of an outer step
+    counts): a range read again (by two nodes in one outer step, or later) or a gap; with
+    `stall`, a slot of the `slots` not read for more than `stall` outer steps in a row."""
+    first: dict[tuple[int, int], dict] = {}  # (node, outer step) -> its first row
+    for r in outer_rows(rows):
+        first.setdefault((r["node"], r["outer_step"]), r)
+    reads: dict[int, list[tuple[int, int, int, int]]] = {}  # slot -> (from, to, outer, node)
+    for (node, k), r in sorted(first.items(), key=lambda x: x[0][1]):
+        for slot, (a, b) in (r.get("data") or {}).items():
+            reads.setdefault(int(slot), []).append((a, b, k, node))
+    if not reads:
+        return ["no row carries data slot reads"]
+    problems = []
+    for slot, got in sorted(reads.items()):
+        at = 0
+        for a, b, k, node in sorted(got):
+            if a != at:
+                problems.append(f"slot {slot}: node{node} read {a}..{b} at outer step {k}, "
+                                f"expected from {at}")  # fmt: skip
+            at = max(at, b)
+    last = max(k for _, k in first)
+    for slot in range(slots if stall is not None else 0):
+        read_at = sorted({k for _, _, k, _ in reads.get(slot, [])})
+        longest = max(b - a - 1 for a, b in zip([0, *read_at], [*read_at, last + 1], strict=True))
+        if longest > stall:
+            problems.append(f"slot {slot}: not read for {longest} outer steps in a row")
+    return problems
+
+
 def check_same_outer(node: Path, members: Sequence[Path], at_least: int = 1) -> dict[int, dict]:
     """Assert that the node working in folder `node` has each member's outer hash at every
     outer step both wrote (a node stopped by SIGTERM may go a step on), at least `at_least`
