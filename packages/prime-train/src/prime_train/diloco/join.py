@@ -157,7 +157,7 @@ def _form_anew(run: Run, outer: ElasticOuterStep, lost: BaseException) -> int:
     """Registered again into a run with no members left: this node is one of the nodes
     forming it anew, resuming from the newest checkpoint any of them holds (`Run.resume`;
     LacksNewestStep where this node lacks it). Where none holds the run's newest state
-    (`NothingToFormFrom`: no checkpoint, or one behind the run's last agreed state), it
+    (`NothingToFormFrom`: no checkpoint, or one behind the newest a node reported), it
     leaves again and waits a while for nodes that come back with it, rather than start the
     run over or roll it back."""
     run.log.warn(

@@ -81,7 +81,7 @@ class LacksNewestStep(RunDirError):
 
 class NothingToFormFrom(RunDirError):
     """The nodes forming a run anew hold no checkpoint of its newest state: none at all, or
-    only ones older than the state the run's last commit vote agreed on. Forming it from
+    only ones older than the newest a node of the run reported holding. Forming it from
     them would start it over or roll it back: the founders leave and wait for a node that
     holds that state (`diloco/join.py`)."""
 
