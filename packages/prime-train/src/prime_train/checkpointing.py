@@ -99,6 +99,7 @@ class Checkpointer:
         )
         self.last_saved: int | None = None
         self._last: SaveHandle | None = None
+        self._on_disk: int | None = None  # `newest_on_disk`'s last answer
         self._leave_by: float | None = None  # a stop's deadline for the way out (`leave_by`)
         # the loop's time in save() and waiting for its copies, and the saves (metrics rows)
         self.blocked_s, self.saves = 0.0, 0
@@ -172,6 +173,7 @@ class Checkpointer:
     def discard_after(self, step: int) -> list[int]:
         """Remove this node's checkpoints newer than the step the run resumed from (0: a fresh
         start) from every tier, so that retention keeps the steps the run makes next."""
+        self._on_disk = None
         return self.manager.discard_after(step)
 
     def wait(self) -> None:
@@ -190,9 +192,12 @@ class Checkpointer:
         return self.manager.committed_steps(("ram", "disk") if local else TIERS)
 
     def newest_on_disk(self) -> int | None:
-        """The newest step this rank holds committed on disk (None: none)."""
-        steps = self.manager.committed_steps(("disk",))
-        return steps[-1] if steps else None
+        """The newest step this rank holds committed on disk (None: none). Asked at every
+        progress row: the folder is listed again only while the last save may not be there."""
+        if self._on_disk is None or self.last_saved is None or self._on_disk < self.last_saved:
+            steps = self.manager.committed_steps(("disk",))
+            self._on_disk = steps[-1] if steps else None
+        return self._on_disk
 
     def leave_by(self, deadline: float) -> None:
         """A stop signal came: `close()` waits for the final upload only until `deadline`
