@@ -33,3 +33,14 @@ def test_a_call_that_hung_is_not_made_again_until_the_quiet_time_passed():
             breaker.call(lambda: [7], 0.2, "listing x")
     finally:
         release.set()
+
+
+def test_tripped_says_the_error_while_calls_fail_at_once():
+    now = [0.0]
+    breaker = Breaker(quiet_s=300.0, clock=lambda: now[0])
+    assert breaker.tripped is None
+    with pytest.raises(KeyError):
+        breaker.call(lambda: {}["missing"], 0.2, "listing x")
+    assert isinstance(breaker.tripped, KeyError)
+    now[0] = 301.0
+    assert breaker.tripped is None  # asked again from now on

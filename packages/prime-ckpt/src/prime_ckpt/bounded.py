@@ -45,10 +45,16 @@ class Breaker:
         self._lock = threading.Lock()
         self._until, self._error = 0.0, None
 
-    def call(self, fn: Callable[[], T], timeout: float, what: str) -> T:
+    @property
+    def tripped(self) -> Exception | None:
+        """The error the calls fail with at once for now, or None: they are made."""
         with self._lock:
-            if self._error is not None and self.clock() < self._until:
-                raise TimeoutError(f"{self._error} (not asked again for {self.quiet_s:.0f} s)")
+            return self._error if self.clock() < self._until else None
+
+    def call(self, fn: Callable[[], T], timeout: float, what: str) -> T:
+        error = self.tripped
+        if error is not None:
+            raise TimeoutError(f"{error} (not asked again for {self.quiet_s:.0f} s)")
         try:
             return bounded(fn, timeout, what)
         except Exception as e:

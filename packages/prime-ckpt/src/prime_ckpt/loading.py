@@ -50,6 +50,13 @@ class Loading:
             warnings.warn(f"cannot list {self._remote.url}: {e}", CheckpointWarning, stacklevel=4)
             return []
 
+    @property
+    def remote_unreachable(self) -> str | None:
+        """Why the remote's listing fails at once for now (it failed or passed its bound a
+        moment ago), or None: a caller about to list the same remote otherwise can skip it."""
+        error = None if self._remote is None else self._remote.listing.tripped
+        return None if error is None else str(error)
+
     def committed_steps(self, tiers: Iterable[str] = TIERS) -> list[int]:
         """Steps this rank holds a committed copy of in any of `tiers` ("ram", "disk",
         "remote"), oldest first. Local only (no collective) and not verified: `load()`

@@ -191,6 +191,12 @@ class Checkpointer:
         on disk only (no listing of the remote, which may hang for its whole bound)."""
         return self.manager.committed_steps(("ram", "disk") if local else TIERS)
 
+    @property
+    def remote_unreachable(self) -> str | None:
+        """Why the remote's listing fails at once for now (it hung or failed a moment ago), or
+        None (see prime-ckpt's `CheckpointManager.remote_unreachable`)."""
+        return self.manager.remote_unreachable
+
     def newest_on_disk(self) -> int | None:
         """The newest step this rank holds committed on disk (None: none). Asked at every
         progress row: the folder is listed again only while the last save may not be there."""
@@ -251,3 +257,19 @@ def other_node_prefixes(cfg, node_name: str) -> list[str]:
     except Exception:  # missing root, no credentials yet, no answer: nothing to say
         return []
     return sorted(n for n in names if n != node_name)
+
+
+def remote_hint(cfg, node_name: str, ckpt: Checkpointer) -> str | None:
+    """A warning for a node that holds no checkpoint in any tier while `ckpt.remote` holds
+    other nodes' (a node restarted on a new machine under a new name), or None. A remote
+    whose own listing just hung or failed is not listed again for it."""
+    if cfg.ckpt.remote is None or ckpt.committed_steps() or ckpt.remote_unreachable:
+        return None
+    others = other_node_prefixes(cfg, node_name)
+    if not others:
+        return None
+    return (
+        f"no checkpoint of node {node_name!r} in any tier, but {cfg.ckpt.remote} holds "
+        f"{others}: a node restarted on a new machine finds its checkpoints only under its "
+        "former --mesh.node_name"
+    )

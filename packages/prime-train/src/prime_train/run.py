@@ -132,14 +132,8 @@ class Run:
         except BaseException:
             ckpt.close()
             raise
-        if cfg.ckpt.remote and self.primary and not ckpt.committed_steps():
-            others = checkpointing.other_node_prefixes(cfg, node.name)
-            if others:
-                self.log.warn(
-                    f"no checkpoint of node {node.name!r} in any tier, but {cfg.ckpt.remote} "
-                    f"holds {others}: a node restarted on a new machine finds its checkpoints "
-                    "only under its former --mesh.node_name"
-                )
+        if self.primary and (hint := checkpointing.remote_hint(cfg, node.name, ckpt)):
+            self.log.warn(hint)
         return ckpt
 
     def inner_step(self, step: int) -> torch.Tensor | None:
