@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -312,18 +312,45 @@ def apply_plan(plan: Plan) -> None:
         for name, reads in by_file.items():
             with open(plan.source.dir / name, "rb") as f:
                 for r in sorted(reads, key=lambda r: r.offset):
-                    if not r.nbytes:
-                        continue
-                    f.seek(r.offset)
-                    buf = torch.empty(r.nbytes, dtype=torch.uint8)
-                    if f.readinto(buf.numpy()) != r.nbytes:
-                        raise CorruptCheckpoint(f"{plan.source.dir / name}: short read")
-                    r.dst.copy_(buf.view(r.dtype).view(r.shape))
+                    if r.nbytes:
+                        f.seek(r.offset)
+                        _fill(f, r, plan.source.dir / name)
     for container, key, value in plan.sets:
         if key is None:
             container.append(value)
         else:
             container[key] = value
+
+
+READ_BLOCK = 16 << 20  # bytes: the most a load holds besides the state (a tensor's rows)
+
+
+def _fill(f: BinaryIO, r: _Read, where: Path) -> None:
+    """`r`'s bytes from `f` into its target: in place when that is a contiguous CPU tensor,
+    else (a GPU, a strided view) a block of rows at a time, so a load never holds a copy of
+    a whole tensor (an embedding is a third of a small model)."""
+    dst = r.dst
+    if r.nbytes > READ_BLOCK and r.shape and dst.device.type == "cpu" and dst.is_contiguous():
+        _read_exact(f, dst.detach().view(-1).view(torch.uint8), where)
+        return
+    rows = r.shape[0] if r.shape else 1
+    per_row = r.nbytes // rows
+    step = max(1, READ_BLOCK // max(per_row, 1))
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        buf = torch.empty((b - a) * per_row, dtype=torch.uint8)
+        _read_exact(f, buf, where)
+        block = buf.view(r.dtype)
+        if r.shape:
+            dst[a:b].copy_(block.view([b - a, *r.shape[1:]]))
+        else:
+            dst.copy_(block.view(r.shape))
+
+
+def _read_exact(f: BinaryIO, into: torch.Tensor, where: Path) -> None:
+    """Fill the uint8 tensor `into` from `f`; CorruptCheckpoint when the file ends first."""
+    if f.readinto(into.numpy()) != into.numel():
+        raise CorruptCheckpoint(f"{where}: short read")
 
 
 def tensor_paths(
