@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import prime_ckpt.uploader
 from prime_ckpt import CheckpointManager, CheckpointWarning, committed_steps
 from prime_ckpt.remote import RemoteStore
 from prime_testkit import CREDENTIALS, DeadS3, MotoS3, wait_until
@@ -285,6 +286,23 @@ def test_an_upload_still_hung_at_close_is_a_failure(tmp_path):
         (failure,) = mgr.failures()
         assert (failure.step, failure.tier) == (1, "remote"), failure
         assert "did not finish within 1 s on the way out" in failure.message, failure
+
+
+def test_an_upload_that_moves_no_data_counts_once_while_the_run_goes_on(tmp_path, monkeypatch):
+    """A hung remote shows in `errors` (the rows' `ckpt_errors`) while the run goes on, once
+    its upload moved no data for `UPLOAD_STALL_S`, and is not counted again at the way out."""
+    monkeypatch.setattr(prime_ckpt.uploader, "UPLOAD_STALL_S", 1.0)
+    with DeadS3("hung") as dead:
+        mgr = CheckpointManager(tmp_path / "disk", shm_dir=tmp_path / "shm", remote="s3://b/run",
+                                remote_options=s3_options(dead))  # fmt: skip
+        mgr.save(1, st(1)).wait(60)
+        wait_until(lambda: mgr.errors == 1, 30, what="the stalled upload counted")
+        (failure,) = mgr.failures()
+        assert (failure.step, failure.tier) == (1, "remote"), failure
+        assert "has moved no data for" in failure.message, failure
+        assert not mgr.wait_remote(0.5)  # still under way: it may yet land
+        mgr.close(remote_timeout=1.0)
+        assert mgr.errors == 1 and committed_steps(tmp_path / "disk") == [1]
 
 
 FAILING_UPLOADS = """

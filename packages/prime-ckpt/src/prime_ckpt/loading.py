@@ -20,8 +20,9 @@ from prime_ckpt.errors import (
 from prime_ckpt.manifest import committed_steps, step_dirname
 from prime_ckpt.reader import CheckpointSource, Plan, apply_plan, plan_load
 from prime_ckpt.records import TIERS, CheckpointInfo, checkpoint_info
-from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S, remote_listing
+from prime_ckpt.remote import REMOTE_LIST_TIMEOUT_S
 from prime_ckpt.remote_load import open_remote, settle_remote
+from prime_ckpt.uploader import remote_listing
 from prime_ckpt.writer import TMP_PREFIX, disk_steps
 
 

@@ -17,9 +17,10 @@ from prime_ckpt.faults import fault
 from prime_ckpt.loading import Loading
 from prime_ckpt.manifest import Manifest, committed_steps, data_name, meta_name, step_dirname
 from prime_ckpt.records import SaveHandle, parse_keep
-from prime_ckpt.remote import RemoteStore, Uploader
+from prime_ckpt.remote import RemoteStore
 from prime_ckpt.staging import DirectWriter, PendingStage, StagingFailed, ram_tier, staging_failure
 from prime_ckpt.state import assign_offsets, flatten, pack_meta
+from prime_ckpt.uploader import Uploader
 from prime_ckpt.writer import (
     DISK_TIMEOUT_S,
     DiskCommitter,
@@ -248,7 +249,9 @@ class CheckpointManager(Loading):
 
     @property
     def errors(self) -> int:
-        """How many background saves (disk) and uploads (remote) failed so far."""
+        """How many background saves (disk) and uploads (remote, a stalled one too) failed."""
+        if self._uploader is not None:
+            self._uploader.check_stalled()
         return self._errors.count
 
     def failures(self) -> list[CheckpointFailure]:
