@@ -3,7 +3,9 @@ until the mesh's join_timeout (1800 s): its connection to the coordinator ended 
 path then registers again; churn seed 27: a joiner SIGSTOPped past the heartbeat timeout
 while it waited found its connection ended as CoordinatorLost on SIGCONT and waited on for
 good), or the run's members finished it and left (exit 0; in CI a joiner whose snapshot had
-come waited so after its only member completed the run)."""
+come waited so after its only member completed the run). A snapshot whose donors all left
+before the admission is a lost place (the join registers again), not the end of the node
+(churn seed 116: a node evicted for its weights exited 1 when its one donor was SIGTERMed)."""
 
 from types import SimpleNamespace
 
@@ -11,7 +13,9 @@ import pytest
 
 from prime_mesh import Coordinator, CoordinatorLost, ElasticDeviceMesh, RunCompleted
 from prime_train.diloco import Membership
-from prime_train.diloco.join import wait_admitted
+from prime_train.diloco.fetch import JoinFailed
+from prime_train.diloco.join import LOST, wait_admitted
+from prime_train.diloco.listen import JoinedLate
 
 TOKEN = "join-wait-test-token"
 
@@ -65,4 +69,27 @@ def test_a_joiner_whose_run_completes_before_admitting_it_stops_waiting():
     finally:
         coord.close()
         for mesh in meshes:
+            mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_whose_snapshot_lost_every_donor_before_admission_joins_again():
+    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
+    mesh = None
+    try:  # one node of min_nodes 2: never admitted
+        mesh = ElasticDeviceMesh(coord.address, token=TOKEN, wait=False, wait_until_ready=True,
+                                 heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
+        run = SimpleNamespace(
+            primary=True,
+            placement=SimpleNamespace(
+                membership=SimpleNamespace(mesh=mesh), from_rank0=lambda decide: decide()
+            ),
+        )
+        gone = JoinFailed("['node1']: no donor of step 90 is left")
+        with pytest.raises(JoinedLate, match="fetching the snapshot failed: .*no donor") as e:
+            wait_admitted(run, SimpleNamespace(snapshot=SimpleNamespace(failed=gone)))
+        assert isinstance(e.value, LOST)  # join_running_job registers again
+    finally:
+        coord.close()
+        if mesh is not None:
             mesh.close()

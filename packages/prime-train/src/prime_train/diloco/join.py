@@ -251,7 +251,8 @@ def _entered(run: Run, joining: Joining, report: OuterStepReport) -> None:
 def wait_admitted(run: Run, joining: Joining) -> None:
     """Until the coordinator lists this node as a member (the members' next sync point), or
     the members are gone: `RunCompleted` (exit 0) when they finished the run (also after its
-    snapshot came), else, from the snapshot's fetch, `JoinFailed`; `MeshTimeout` past the
+    snapshot came); `JoinedLate` when the snapshot's fetch failed (its donors left: the join
+    registers again, as after admission; churn seed 116 exited 1 here); `MeshTimeout` past the
     mesh's `join_timeout` (as its own wait for admission); `MeshEvicted` when it was evicted
     meanwhile, `CoordinatorLost` when its connection ended (a stall past the heartbeat
     timeout ends it so, often before the eviction's notice is read): decided on local rank 0
@@ -264,8 +265,10 @@ def wait_admitted(run: Run, joining: Joining) -> None:
 
     def ask() -> tuple[str, str] | None:
         failed = joining.snapshot.failed if joining.snapshot is not None else None
-        if isinstance(failed, RunCompleted | JoinFailed):
-            return type(failed).__name__, str(failed)
+        if isinstance(failed, RunCompleted):
+            return "RunCompleted", str(failed)
+        if isinstance(failed, JoinFailed):
+            return "JoinedLate", f"fetching the snapshot failed: {failed}"
         if deadline is not None and time.monotonic() > deadline:
             return "MeshTimeout", (
                 f"not admitted within the mesh's join_timeout of {bound:g} s (the members' "
@@ -287,7 +290,7 @@ def wait_admitted(run: Run, joining: Joining) -> None:
     while (got := run.placement.from_rank0(ask)) is None:
         time.sleep(0.2)
     kind, why = got
-    errors = {"RunCompleted": RunCompleted, "JoinFailed": JoinFailed, "MeshTimeout": MeshTimeout,
+    errors = {"RunCompleted": RunCompleted, "JoinedLate": JoinedLate, "MeshTimeout": MeshTimeout,
               "MeshEvicted": MeshEvicted, "CoordinatorLost": CoordinatorLost}  # fmt: skip
     if kind in errors:
         raise errors[kind](why)
