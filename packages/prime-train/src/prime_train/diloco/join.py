@@ -252,7 +252,7 @@ def wait_admitted(run: Run, joining: Joining) -> None:
     """Until the coordinator lists this node as a member (the members' next sync point), or
     the members are gone: `RunCompleted` (exit 0) when they finished the run (also after its
     snapshot came); `JoinedLate` when the snapshot's fetch failed (its donors left: the join
-    registers again, as after admission; churn seed 116 exited 1 here); `MeshTimeout` past the
+    registers again, as after admission); `MeshTimeout` past the
     mesh's `join_timeout` (as its own wait for admission); `MeshEvicted` when it was evicted
     meanwhile, `CoordinatorLost` when its connection ended (a stall past the heartbeat
     timeout ends it so, often before the eviction's notice is read): decided on local rank 0
