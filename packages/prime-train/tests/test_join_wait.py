@@ -7,6 +7,8 @@ come waited so after its only member completed the run). A snapshot whose donors
 before the admission is a lost place (the join registers again), not the end of the node
 (churn seed 116: a node evicted for its weights exited 1 when its one donor was SIGTERMed)."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -20,26 +22,36 @@ from prime_train.diloco.listen import JoinedLate
 TOKEN = "join-wait-test-token"
 
 
-@pytest.mark.timeout(60)
-def test_a_joiner_whose_connection_ends_while_it_waits_for_admission_stops_waiting():
+@contextmanager
+def never_admitted() -> Iterator[tuple[Coordinator, SimpleNamespace]]:
+    """A coordinator of min_nodes 2 and one node registered with it (never admitted), as
+    `wait_admitted` reads a run: (the coordinator, the run)."""
     coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
     mesh = None
-    try:  # one node of min_nodes 2: never admitted
+    try:
         mesh = ElasticDeviceMesh(coord.address, token=TOKEN, wait=False, wait_until_ready=True,
                                  heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
-        run = SimpleNamespace(
-            primary=True,
-            placement=SimpleNamespace(  # a node of one rank: rank 0 decides alone
-                membership=SimpleNamespace(mesh=mesh), from_rank0=lambda decide: decide()
+        yield (
+            coord,
+            SimpleNamespace(
+                primary=True,
+                placement=SimpleNamespace(  # a node of one rank: rank 0 decides alone
+                    membership=SimpleNamespace(mesh=mesh), from_rank0=lambda decide: decide()
+                ),
             ),
         )
-        coord.close()  # its connection ends, as a stall past the heartbeat timeout ends it
-        with pytest.raises(CoordinatorLost):
-            wait_admitted(run, SimpleNamespace(snapshot=None))  # (a real run: a Run, a Joining)
     finally:
         coord.close()
         if mesh is not None:
             mesh.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_whose_connection_ends_while_it_waits_for_admission_stops_waiting():
+    with never_admitted() as (coord, run):
+        coord.close()  # its connection ends, as a stall past the heartbeat timeout ends it
+        with pytest.raises(CoordinatorLost):
+            wait_admitted(run, SimpleNamespace(snapshot=None))  # (a real run: a Run, a Joining)
 
 
 @pytest.mark.timeout(60)
@@ -74,22 +86,8 @@ def test_a_joiner_whose_run_completes_before_admitting_it_stops_waiting():
 
 @pytest.mark.timeout(60)
 def test_a_joiner_whose_snapshot_lost_every_donor_before_admission_joins_again():
-    coord = Coordinator("127.0.0.1", port=0, token=TOKEN, min_nodes=2).start()
-    mesh = None
-    try:  # one node of min_nodes 2: never admitted
-        mesh = ElasticDeviceMesh(coord.address, token=TOKEN, wait=False, wait_until_ready=True,
-                                 heartbeat_interval=0.2, heartbeat_timeout=1.0)  # fmt: skip
-        run = SimpleNamespace(
-            primary=True,
-            placement=SimpleNamespace(
-                membership=SimpleNamespace(mesh=mesh), from_rank0=lambda decide: decide()
-            ),
-        )
+    with never_admitted() as (_, run):
         gone = JoinFailed("['node1']: no donor of step 90 is left")
         with pytest.raises(JoinedLate, match="fetching the snapshot failed: .*no donor") as e:
             wait_admitted(run, SimpleNamespace(snapshot=SimpleNamespace(failed=gone)))
         assert isinstance(e.value, LOST)  # join_running_job registers again
-    finally:
-        coord.close()
-        if mesh is not None:
-            mesh.close()
