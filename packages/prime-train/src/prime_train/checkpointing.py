@@ -100,6 +100,7 @@ class Checkpointer:
         self.last_saved: int | None = None
         self._last: SaveHandle | None = None
         self._on_disk: int | None = None  # `newest_on_disk`'s last answer
+        self._disk_listed = False  # whether `_on_disk` was read from the folder yet
         self._leave_by: float | None = None  # a stop's deadline for the way out (`leave_by`)
         # the loop's time in save() and waiting for its copies, and the saves (metrics rows)
         self.blocked_s, self.saves = 0.0, 0
@@ -173,7 +174,7 @@ class Checkpointer:
     def discard_after(self, step: int) -> list[int]:
         """Remove this node's checkpoints newer than the step the run resumed from (0: a fresh
         start) from every tier, so that retention keeps the steps the run makes next."""
-        self._on_disk = None
+        self._disk_listed = False
         return self.manager.discard_after(step)
 
     def wait(self) -> None:
@@ -199,10 +200,13 @@ class Checkpointer:
 
     def newest_on_disk(self) -> int | None:
         """The newest step this rank holds committed on disk (None: none). Asked at every
-        progress row: the folder is listed again only while the last save may not be there."""
-        if self._on_disk is None or self.last_saved is None or self._on_disk < self.last_saved:
+        progress row: the folder is listed once, then again only while the last save may not
+        be there (nothing else of this process changes it but `discard_after`)."""
+        newest = -1 if self._on_disk is None else self._on_disk
+        behind = self.last_saved is not None and newest < self.last_saved
+        if not self._disk_listed or behind:
             steps = self.manager.committed_steps(("disk",))
-            self._on_disk = steps[-1] if steps else None
+            self._on_disk, self._disk_listed = (steps[-1] if steps else None), True
         return self._on_disk
 
     def leave_by(self, deadline: float) -> None:
